@@ -1,0 +1,1 @@
+"""Benchmarks: offline engine throughput, and load generation against OpenAI-compatible servers."""

@@ -1,0 +1,50 @@
+"""The `tokenfactory` command. Each subsystem registers its own subcommands from a light module
+(heavy imports such as torch happen inside the command's function, not at registration)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Subcommand modules, each exposing `register(subparsers: argparse._SubParsersAction) -> None`.
+COMMAND_MODULES: tuple[str, ...] = (
+    "tokenfactory.engine.cli",  # generate
+    "tokenfactory.gateway.cli",  # serve
+    "tokenfactory.meter.cli",  # usage
+    "tokenfactory.planner.cli",  # plan, doctor
+    "tokenfactory.bench.cli",  # bench offline | serve | sweep | compare | report
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenfactory", description="From every watt to every token.")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+            continue  # subsystem not built yet
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

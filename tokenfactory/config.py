@@ -1,0 +1,104 @@
+"""Frozen configs, one per component, validated on construction. Nothing writes to them afterwards."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from tokenfactory.types import ParameterError
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a Llama-family decoder, whatever file it came from (GGUF metadata or config.json)."""
+
+    architecture: str  # one of SUPPORTED_ARCHITECTURES
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: q/k/v projections carry biases
+    sliding_window: int | None = None  # Mistral; not yet honoured (full attention), said at load time
+    # Llama 3.1 style rope scaling, e.g. {"rope_type": "llama3", "factor": 8.0, ...}; None: plain RoPE.
+    rope_scaling: dict[str, float | str] | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"architecture {self.architecture!r} is not supported; "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+
+    @cached_property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @cached_property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @cached_property
+    def num_params(self) -> int:
+        """Parameter count (embeddings counted once when tied)."""
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        if self.attention_bias:
+            attn += self.q_size + 2 * self.kv_size
+        per_layer = attn + 3 * h * i + 2 * h
+        lm_head = 0 if self.tie_word_embeddings else v * h
+        return v * h + self.num_layers * per_layer + h + lm_head
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """K and V, every layer: 2 · layers · kv_heads · head_dim · bytes (GQA counts KV heads, not heads)."""
+        return 2 * self.num_layers * self.kv_size * dtype_bytes
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs a model: memory, batching, device."""
+
+    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
+    device: str = "cpu"
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    max_model_len: int | None = None  # None: the model's own context length, capped by the KV cache
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    block_size: int = 16
+    # Bytes (int) or a fraction of free memory (float in (0, 1]); None: a default for the device.
+    kv_cache_memory: int | float | None = None
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    scheduling_policy: str = "fcfs"
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ParameterError("max_num_seqs", f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ParameterError("max_num_batched_tokens",
+                                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ParameterError("block_size", f"block_size must be a power of two, got {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ParameterError("max_model_len", f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ParameterError("dtype", f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        mem = self.kv_cache_memory
+        if isinstance(mem, float) and not 0.0 < mem <= 1.0:
+            raise ParameterError("kv_cache_memory",
+                                 f"kv_cache_memory as a fraction must be in (0, 1], got {mem}")
+        if isinstance(mem, int) and mem <= 0:
+            raise ParameterError("kv_cache_memory", f"kv_cache_memory in bytes must be > 0, got {mem}")

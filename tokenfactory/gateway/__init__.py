@@ -1,0 +1,1 @@
+"""The HTTP side: OpenAI-compatible API, metrics, auth and admission."""

@@ -1,0 +1,1 @@
+"""Capacity and cost planning, and diagnosis: catalog, memory/roofline/cost model, doctor."""
