@@ -10,7 +10,7 @@ import enum
 from dataclasses import dataclass, field
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS token, a stop token id or a stop string
     LENGTH = "length"  # max_tokens reached, or the context window is full
     ABORT = "abort"  # the client went away or the caller aborted

@@ -1,0 +1,288 @@
+"""The step loop: schedule -> execute -> update, plus turning sampled tokens into text.
+
+`LLMEngine` is synchronous and single-threaded: callers add requests, call `step()` and get each
+request's new tokens and text back. The offline `LLM` loops over it; the server runs it in its own
+thread (see async_engine.py). Nothing is logged inside the loop: each step is recorded as a
+`StepStats` and handed to the listeners (the meter, the metrics).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenfactory.config import EngineConfig
+from tokenfactory.engine.kv_cache import BlockManager
+from tokenfactory.engine.memory import KVCapacity, plan_kv_cache, resolve_device, resolve_dtype
+from tokenfactory.engine.model_runner import ModelRunner
+from tokenfactory.engine.sampler import SampledToken, Sampler
+from tokenfactory.engine.scheduler import POLICIES, Scheduler, SchedulerOutput
+from tokenfactory.engine.sequence import Sequence
+from tokenfactory.models.loader import LoadedModel, load_model
+from tokenfactory.models.tokenizer import Tokenizer
+from tokenfactory.types import (
+    CompletionOutput,
+    FinishReason,
+    Logprob,
+    ParameterError,
+    RequestMetrics,
+    RequestOutput,
+    SamplingParams,
+    SequenceWork,
+    StepStats,
+)
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int] | dict[str, list[int]]
+
+
+@dataclass
+class SeqText:
+    """Incremental detokenization and stop-string state of one sequence."""
+
+    stream: object  # Tokenizer.decode_stream(): .step(token_id) -> str | None
+    text: str = ""
+    num_sent_chars: int = 0
+    num_sent_tokens: int = 0
+    logprobs: list[list[Logprob]] = field(default_factory=list)
+    num_sent_logprobs: int = 0
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    texts: list[SeqText]
+    metrics: RequestMetrics
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        loaded = loaded if loaded is not None else load_model(config.model)
+        self.model_config = loaded.config
+        self.tokenizer: Tokenizer = loaded.tokenizer
+        self.model_path = str(loaded.path)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(loaded.config.eos_token_ids)
+        self.capacity: KVCapacity = plan_kv_cache(loaded.config, config, self.device, self.dtype)
+        self.max_model_len = self.capacity.max_model_len
+        self.kv = BlockManager(self.capacity.num_blocks, config.block_size, config.enable_prefix_caching)
+        if config.scheduling_policy not in POLICIES:
+            raise ParameterError("scheduling_policy", f"scheduling_policy must be one of {sorted(POLICIES)}, "
+                                 f"got {config.scheduling_policy!r}")
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len, POLICIES[config.scheduling_policy](),
+                                   eos_token_ids=self.eos_token_ids)
+        self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
+        self.runner = ModelRunner(loaded.config, loaded.weights, device=self.device, dtype=self.dtype,
+                                  num_blocks=self.capacity.num_blocks, block_size=config.block_size,
+                                  max_model_len=self.max_model_len, sampler=self.sampler)
+        self.requests: dict[str, RequestState] = {}
+        self.step_listeners: list[Callable[[StepStats], None]] = []
+        self.recent_steps: deque[StepStats] = deque(maxlen=1024)
+        self.num_steps = 0
+        self.num_prompt_tokens_total = 0
+        self.num_generation_tokens_total = 0
+        self._ids = itertools.count()
+        logger.info("model %s on %s (%s): %s", self.model_path, self.device, str(self.dtype).removeprefix("torch."),
+                    self.capacity.describe())
+
+    # -- requests ---------------------------------------------------------------------------------------
+
+    def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise ParameterError("prompt", "a prompt given as a dict needs 'prompt_token_ids'")
+            prompt = prompt["prompt_token_ids"]
+        ids = list(prompt)
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise ParameterError("prompt", f"prompt token ids must be integers in [0, {vocab})")
+        return None, ids
+
+    def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
+                    arrival_time: float | None = None, tenant: str = "anonymous", priority: int = 0) -> str:
+        """Validate and queue a request. Raises ParameterError (a ValueError) before allocating anything."""
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ParameterError("request_id", f"request id {request_id!r} is already in use")
+        text, ids = self.tokenize_prompt(prompt)
+        self.check_prompt_length(len(ids))
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        seqs: list[Sequence] = []
+        for i in range(params.n):
+            seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            seqs.append(Sequence(seq_id, request_id, i, ids, params, arrival, tenant=tenant, priority=priority,
+                                 wait_for=seqs[0] if seqs else None))
+        texts = [SeqText(self.tokenizer.decode_stream(params.skip_special_tokens)) for _ in seqs]
+        self.requests[request_id] = RequestState(request_id, text, ids, params, seqs, texts, RequestMetrics(arrival))
+        for seq in seqs:
+            self.scheduler.add(seq)
+        return request_id
+
+    def check_prompt_length(self, num_prompt_tokens: int) -> None:
+        if num_prompt_tokens == 0:
+            raise ParameterError("prompt", "the prompt is empty: it needs at least one model token")
+        if num_prompt_tokens >= self.max_model_len:
+            raise ParameterError(
+                "prompt", f"the prompt has {num_prompt_tokens} model tokens but this model's context window "
+                f"(max_model_len) is {self.max_model_len} tokens, which must also leave room for at least "
+                f"one generated token; shorten the prompt")
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop work on a request now; its KV blocks are freed before this returns."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return
+        for seq in state.seqs:
+            self.scheduler.finish(seq, FinishReason.ABORT)
+            self.sampler.release(seq.seq_id)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # -- the loop ---------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        start = time.monotonic()
+        preempted_before = self.scheduler.num_preemptions
+        sched = self.scheduler.schedule()
+        results: list[tuple[Sequence, SampledToken]] = []
+        if not sched.is_empty:
+            results = self.runner.run(self.runner.prepare(sched, self.kv.seq_to_block_ids))
+        self.scheduler.update(sched, {seq.seq_id: tok.token_id for seq, tok in results})
+        outputs = self._process_outputs(sched, results)
+        self._record_step(sched, start, self.scheduler.num_preemptions - preempted_before)
+        return outputs
+
+    def _process_outputs(self, sched: SchedulerOutput, results: list[tuple[Sequence, SampledToken]]
+                         ) -> list[RequestOutput]:
+        now = time.monotonic()
+        touched: dict[str, RequestState] = {}
+        for chunk in sched.chunks:
+            state = self.requests.get(chunk.seq.request_id)
+            if state is not None and state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = chunk.seq.first_scheduled_time
+        for seq, tok in results:
+            state = self.requests.get(seq.request_id)
+            if state is None:
+                continue  # aborted
+            touched[state.request_id] = state
+            self._append_text(state, seq, tok)
+            if state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+            state.metrics.last_token_time = now
+        for seq in sched.preempted:
+            if (state := self.requests.get(seq.request_id)) is not None:
+                state.metrics.num_preemptions += 1
+        outputs = []
+        for state in touched.values():
+            out = self._make_output(state)
+            if out.finished:
+                state.metrics.finished_time = now
+                del self.requests[state.request_id]
+            outputs.append(out)
+        return outputs
+
+    def _append_text(self, state: RequestState, seq: Sequence, tok: SampledToken) -> None:
+        st = state.texts[seq.index]
+        self.num_generation_tokens_total += 1
+        if seq.num_output_tokens == 1:
+            self.num_prompt_tokens_total += seq.num_prompt_tokens
+        piece = st.stream.step(tok.token_id)  # type: ignore[attr-defined]
+        if tok.logprobs is not None:
+            st.logprobs.append([Logprob(t, lp, self.tokenizer.id_to_token(t)) for t, lp in tok.logprobs])
+        if piece:
+            st.text += piece
+        if seq.params.stop and seq.finish_reason is not FinishReason.STOP:
+            self._check_stop_strings(st, seq, len(piece or ""))
+
+    def _check_stop_strings(self, st: SeqText, seq: Sequence, num_new_chars: int) -> None:
+        longest = max(len(s) for s in seq.params.stop)
+        search_from = max(0, len(st.text) - num_new_chars - longest + 1)
+        for stop in seq.params.stop:
+            at = st.text.find(stop, search_from)
+            if at != -1:
+                st.text = st.text[:at + len(stop)] if seq.params.include_stop_str_in_output else st.text[:at]
+                if seq.is_finished:
+                    seq.finish_reason = FinishReason.STOP  # the length limit and a stop string met at once
+                else:
+                    self.scheduler.finish(seq, FinishReason.STOP)
+                return
+
+    def _make_output(self, state: RequestState) -> RequestOutput:
+        completions = []
+        for seq, st in zip(state.seqs, state.texts, strict=True):
+            if seq.is_finished:
+                self.sampler.release(seq.seq_id)
+            # While stop strings may still match, hold back a possible partial match at the end.
+            hold = 0 if seq.is_finished or not seq.params.stop else max(len(s) for s in seq.params.stop) - 1
+            visible = max(st.num_sent_chars, len(st.text) - hold)
+            out_ids = seq.output_token_ids
+            logprobs = st.logprobs if seq.params.logprobs is not None else None
+            completions.append(CompletionOutput(
+                index=seq.index, text=st.text, token_ids=list(out_ids), logprobs=logprobs,
+                finish_reason=seq.finish_reason,
+                text_delta=st.text[st.num_sent_chars:visible],
+                token_ids_delta=out_ids[st.num_sent_tokens:],
+                logprobs_delta=None if logprobs is None else logprobs[st.num_sent_logprobs:]))
+            st.num_sent_chars, st.num_sent_tokens, st.num_sent_logprobs = visible, len(out_ids), len(st.logprobs)
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
+                             num_cached_tokens=state.seqs[0].num_cached_tokens, metrics=state.metrics)
+
+    def _record_step(self, sched: SchedulerOutput, start: float, num_preemptions: int) -> None:
+        stats = StepStats(
+            step_index=self.num_steps, start_time=start, duration_s=time.monotonic() - start,
+            num_prefill_tokens=sched.num_prefill_tokens,
+            num_decode_tokens=sched.num_batched_tokens - sched.num_prefill_tokens,
+            num_running=self.num_running, num_waiting=self.num_waiting,
+            num_free_blocks=self.kv.num_free_blocks, num_total_blocks=self.kv.num_blocks,
+            num_preemptions=num_preemptions,
+            work=tuple(SequenceWork(c.seq.request_id, c.num_new_tokens, c.num_context_tokens, c.is_prefill)
+                       for c in sched.chunks))
+        self.num_steps += 1
+        self.recent_steps.append(stats)
+        for listener in self.step_listeners:
+            listener(stats)
+
+    # -- conveniences --------------------------------------------------------------------------------------
+
+    def run_to_completion(self, request_ids: Seq[str]) -> dict[str, RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        pending = set(request_ids)
+        while pending:
+            for out in self.step():
+                if out.finished and out.request_id in pending:
+                    final[out.request_id] = out
+                    pending.discard(out.request_id)
+        return final
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """One short request through the whole path, so the first user does not pay for lazy set-up."""
+        rid = self.add_request([self.tokenizer.bos_token_id or 0] * 4, SamplingParams(max_tokens=2, ignore_eos=True))
+        self.run_to_completion([rid])

@@ -1,0 +1,57 @@
+"""The offline API, shaped like vLLM's: `LLM(...).generate(prompts, SamplingParams(...))` and `.chat()`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tokenfactory.config import EngineConfig
+from tokenfactory.engine.engine import LLMEngine, Prompt
+from tokenfactory.types import RequestOutput, SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, device: str = "cpu", dtype: str = "auto",
+                 max_model_len: int | None = None, **engine_kwargs: object) -> None:
+        """`model`: a GGUF file or a Hugging Face model folder; None loads the bundled SmolLM2-135M-Instruct.
+        Other keyword arguments are EngineConfig fields (max_num_seqs, kv_cache_memory, block_size, ...)."""
+        config = EngineConfig(model=model, device=device, dtype=dtype, max_model_len=max_model_len,
+                              **engine_kwargs)  # type: ignore[arg-type]
+        self.engine = LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Generate for each prompt (a string, a list of token ids, or {"prompt_token_ids": [...]}).
+        All prompts are validated before any is queued, so a bad one leaves nothing allocated."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                 and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) \
+            else list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+        for prompt in prompts:
+            _, ids = self.engine.tokenize_prompt(prompt)
+            self.engine.check_prompt_length(len(ids))
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        try:
+            final = self.engine.run_to_completion(ids)
+        except BaseException:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return [final[rid] for rid in ids]
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conv in conversations:
+            text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)  # type: ignore[arg-type]
+            prompts.append({"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params)

@@ -1,0 +1,103 @@
+"""Device, dtype and KV-cache sizing: how many blocks the memory budget buys, and what that means."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from tokenfactory.config import EngineConfig, ModelConfig
+from tokenfactory.types import ParameterError
+
+GiB = 1 << 30
+# Without a budget, the KV cache takes this share of free memory, capped on CPU (a CPU server
+# shares its RAM with everything else; 2 GiB is ~90k tokens of SmolLM2-135M in bf16).
+DEFAULT_FRACTION = {"cpu": 0.3, "cuda": 0.85}
+DEFAULT_CPU_CAP_BYTES = 2 * GiB
+
+
+@dataclass(frozen=True)
+class KVCapacity:
+    num_blocks: int
+    block_size: int
+    bytes_per_token: int
+    max_model_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_tokens * self.bytes_per_token
+
+    @property
+    def max_concurrent_seqs(self) -> float:
+        """Sequences that fit at once if each grows to max_model_len."""
+        return self.num_tokens / self.max_model_len
+
+    def describe(self) -> str:
+        return (f"KV cache {self.total_bytes / GiB:.2f} GiB = {self.num_blocks} blocks x {self.block_size} "
+                f"= {self.num_tokens} tokens; max_model_len {self.max_model_len} -> "
+                f"{self.max_concurrent_seqs:.1f} concurrent sequences at full length")
+
+
+def resolve_device(name: str) -> torch.device:
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ParameterError("device", f"device {name!r} was asked for but CUDA is not available here; use 'cpu'")
+    if device.type not in ("cpu", "cuda"):
+        raise ParameterError("device", f"device must be 'cpu' or 'cuda[:N]', got {name!r}")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # bf16 halves the bytes read per token; on CPU only where the ISA has native bf16 dot products.
+        if device.type == "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if cpu_has_bf16() else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def cpu_has_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return psutil.virtual_memory().available
+
+
+def plan_kv_cache(model: ModelConfig, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> KVCapacity:
+    dtype_bytes = torch.tensor([], dtype=dtype).element_size()
+    per_token = model.kv_bytes_per_token(dtype_bytes)
+    budget = config.kv_cache_memory
+    if budget is None:
+        budget = int(free_memory_bytes(device) * DEFAULT_FRACTION[device.type])
+        if device.type == "cpu":
+            budget = min(budget, DEFAULT_CPU_CAP_BYTES)
+    elif isinstance(budget, float):
+        budget = int(free_memory_bytes(device) * budget)
+    num_blocks = budget // (per_token * config.block_size)
+    if num_blocks < 1:
+        raise ParameterError("kv_cache_memory", f"kv_cache_memory of {budget} bytes holds no KV block: one block of "
+                             f"{config.block_size} tokens needs {per_token * config.block_size} bytes")
+    capacity_tokens = num_blocks * config.block_size
+    if config.max_model_len is None:
+        max_len = min(model.max_position_embeddings, capacity_tokens)
+    else:
+        max_len = config.max_model_len
+        if max_len > capacity_tokens:
+            fits = capacity_tokens // 1024 * 1024 or capacity_tokens
+            raise ParameterError(
+                "max_model_len", f"the KV cache holds {capacity_tokens} tokens but max_model_len is {max_len}: "
+                f"lower max_model_len to {fits} or give the cache more memory (kv_cache_memory)")
+    return KVCapacity(num_blocks, config.block_size, per_token, max_len)

@@ -1,0 +1,129 @@
+"""The only owner of tensors: the model's weights, the KV cache, and each step's inputs.
+
+`prepare(scheduler_output) -> ModelInputs` builds the flat batch on the host; `run(inputs)` does the
+device work and returns one sampled token per sequence that reached the end of its tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenfactory.config import ModelConfig
+from tokenfactory.engine.attention import AttentionMetadata, PrefillSpan
+from tokenfactory.engine.sampler import SampledToken, Sampler, SamplingBatch
+from tokenfactory.engine.scheduler import SchedulerOutput
+from tokenfactory.engine.sequence import Sequence
+from tokenfactory.models.llama import MODEL_REGISTRY, LlamaForCausalLM, Rotary
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    input_ids: torch.Tensor  # (T,)
+    positions: torch.Tensor  # (T,)
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # (S,) rows of the flat batch whose hidden state is sampled
+    sample_seqs: list[Sequence]
+    sampling: SamplingBatch | None
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor], *, device: torch.device,
+                 dtype: torch.dtype, num_blocks: int, block_size: int, max_model_len: int,
+                 sampler: Sampler) -> None:
+        self.cfg = model_config
+        self.device, self.dtype = device, dtype
+        self.block_size = block_size
+        self.sampler = sampler
+        model_cls = MODEL_REGISTRY[model_config.architecture]
+        with torch.device("meta"):
+            model = model_cls(model_config, max_positions=max_model_len)
+        model = model.to_empty(device="cpu")
+        model.load_hf_weights(weights)
+        model = model.to(device=device, dtype=dtype).eval()
+        # RoPE tables stay float32 whatever the model's dtype (as the reference computes them).
+        model.rotary = Rotary(model_config, max_model_len).to(device)
+        self.model: LlamaForCausalLM = model
+        shape = (num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
+        # Zeroed, not empty: padded block-table entries are read (then masked), and NaN * 0 is NaN.
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
+                           torch.zeros(shape, dtype=dtype, device=device))
+                          for _ in range(model_config.num_layers)]
+
+    @property
+    def weight_bytes(self) -> int:
+        seen: set[int] = set()
+        total = 0
+        for t in list(self.model.parameters()) + list(self.model.buffers()):
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+    def prepare(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> ModelInputs:
+        """Flatten the step: decodes (single-token chunks) first, one row each, then prefill spans."""
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[torch.Tensor] = []
+        sample_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        spans: list[PrefillSpan] = []
+        bs = self.block_size
+        for chunk in out.chunks:
+            seq, ctx, n = chunk.seq, chunk.num_context_tokens, chunk.num_new_tokens
+            table = block_tables[seq.seq_id]
+            start = len(ids)
+            ids.extend(seq.token_ids[ctx:ctx + n])
+            pos.extend(range(ctx, ctx + n))
+            if n == 1:
+                decode_tables.append(table)
+                decode_lens.append(ctx + 1)
+                slots.append(torch.tensor([table[ctx // bs] * bs + ctx % bs]))
+            else:
+                table_t = torch.tensor(table, dtype=torch.long)
+                p = torch.arange(ctx, ctx + n)
+                slots.append(table_t[p // bs] * bs + p % bs)
+                spans.append(PrefillSpan(start, n, ctx, table_t.to(self.device)))
+            if chunk.samples:
+                sample_rows.append(len(ids) - 1)
+                sample_seqs.append(seq)
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slots).to(self.device),
+            num_decode_tokens=len(decode_tables),
+            decode_block_tables=self._pad_tables(decode_tables),
+            decode_mask=self._decode_mask(decode_lens, decode_tables),
+            prefills=tuple(spans))
+        return ModelInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
+            positions=torch.tensor(pos, dtype=torch.long, device=self.device),
+            meta=meta,
+            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
+            sample_seqs=sample_seqs,
+            sampling=self.sampler.prepare(sample_seqs) if sample_seqs else None)
+
+    def _pad_tables(self, tables: list[list[int]]) -> torch.Tensor | None:
+        if not tables:
+            return None
+        width = max(len(t) for t in tables)
+        return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=self.device)
+
+    def _decode_mask(self, lens: list[int], tables: list[list[int]]) -> torch.Tensor | None:
+        if not lens:
+            return None
+        width = max(len(t) for t in tables) * self.block_size
+        keys = torch.arange(width, device=self.device).unsqueeze(0)
+        return (keys < torch.tensor(lens, device=self.device).unsqueeze(1)).view(len(lens), 1, 1, width)
+
+    @torch.inference_mode()
+    def run(self, inputs: ModelInputs) -> list[tuple[Sequence, SampledToken]]:
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)  # (T, h)
+        if inputs.sampling is None:
+            return []
+        logits = self.model.compute_logits(hidden[inputs.sample_rows])  # (S, V)
+        tokens = self.sampler.sample(logits, inputs.sampling)
+        return list(zip(inputs.sample_seqs, tokens, strict=True))

@@ -1,0 +1,227 @@
+"""The engine's scheduler: how many tokens each sequence gets this step.
+
+Each step has a token budget (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`). Running
+sequences are served first, oldest first: a decode needs one token, an unfinished prefill takes what
+the budget allows (chunked prefill), so prefill and decode share a step. Then waiting sequences are
+admitted in the order the policy gives, each first looking up its prompt in the prefix cache. When
+the KV pool runs dry, the newest running sequence is preempted by recompute: its blocks are freed
+(keeping their hashes, so the recompute often hits the prefix cache) and it waits again at the front.
+
+Which *tenant's* request enters is admission's business (the gateway); the order of the waiting queue
+is the pluggable `SchedulingPolicy` here, the seam for priorities and fair share.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tokenfactory.engine.kv_cache import BlockManager, PrefixHit
+from tokenfactory.engine.sequence import Sequence, SequenceStatus
+from tokenfactory.types import FinishReason
+
+
+class SchedulingPolicy(Protocol):
+    """Orders the waiting queue. Every waiting sequence is in the policy exactly once; the scheduler
+    iterates it in admission order and removes what it admits. A preempted sequence is re-added with
+    `add_preempted` and should come before new arrivals of the same standing."""
+
+    def add(self, seq: Sequence) -> None: ...
+    def add_preempted(self, seq: Sequence) -> None: ...
+    def remove(self, seq: Sequence) -> None: ...
+    def __iter__(self) -> Iterator[Sequence]: ...
+    def __len__(self) -> int: ...
+    def on_scheduled(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Service received this step (for fair-share policies)."""
+
+
+class FCFSPolicy:
+    """First come, first served; preempted sequences go back to the front."""
+
+    def __init__(self) -> None:
+        self.queue: deque[Sequence] = deque()
+
+    def add(self, seq: Sequence) -> None:
+        self.queue.append(seq)
+
+    def add_preempted(self, seq: Sequence) -> None:
+        self.queue.appendleft(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        self.queue.remove(seq)
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return iter(list(self.queue))
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def on_scheduled(self, seq: Sequence, num_new_tokens: int) -> None:
+        pass
+
+
+POLICIES: dict[str, type] = {"fcfs": FCFSPolicy}
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    seq: Sequence
+    num_new_tokens: int
+    num_context_tokens: int  # already in the KV cache before this step
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_new_tokens > 1 or self.num_context_tokens < self.seq.num_prompt_tokens
+
+    @property
+    def samples(self) -> bool:
+        """This chunk reaches the end of the sequence's tokens, so the step samples a next token."""
+        return self.num_context_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks if c.is_prefill)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, policy: SchedulingPolicy | None = None,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+        self.kv = block_manager
+        self.eos_token_ids = eos_token_ids
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: SchedulingPolicy = policy if policy is not None else FCFSPolicy()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.add(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: set[str] = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv.allocate(seq.seq_id, seq.num_computed_tokens + num_new):
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                out.chunks.append(ScheduledChunk(seq, num_new, seq.num_computed_tokens))
+                scheduled.add(seq.seq_id)
+                budget -= num_new
+                i += 1
+                continue
+            break  # preempted itself: nothing behind it can be served either
+        if not out.preempted:
+            budget = self._admit_waiting(out, budget)
+        for chunk in out.chunks:
+            self.waiting.on_scheduled(chunk.seq, chunk.num_new_tokens)
+        # Decodes first, then prefills: the model runner batches the decodes' attention together.
+        out.chunks.sort(key=lambda c: c.num_new_tokens > 1)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        for seq in self.waiting:
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            leader = seq.wait_for
+            if leader is not None and not leader.is_finished and \
+                    leader.num_computed_tokens < leader.num_prompt_tokens:
+                continue  # admitted once its sibling's prompt blocks are cached
+            prefix = PrefixHit([])
+            if seq.num_computed_tokens == 0:
+                prefix = self.kv.find_prefix(seq.token_ids)
+            num_context = prefix.num_tokens(self.kv.block_size)
+            num_new = min(seq.num_tokens - num_context, budget)
+            if not self.kv.allocate(seq.seq_id, num_context + num_new, prefix):
+                break  # head-of-line: wait for blocks rather than let later arrivals overtake
+            self.waiting.remove(seq)
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
+                seq.num_cached_tokens = num_context
+            seq.num_computed_tokens = num_context
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.chunks.append(ScheduledChunk(seq, num_new, num_context))
+            budget -= num_new
+        return budget
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.kv.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add_preempted(seq)
+        out.preempted.append(seq)
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
+        """Apply a step's results: advance progress, cache newly full blocks, append sampled tokens,
+        and finish sequences that hit a token-level stop. Returns the sequences finished here."""
+        finished: list[Sequence] = []
+        for chunk in out.chunks:
+            seq = chunk.seq
+            if seq.is_finished:
+                continue  # aborted while the step ran
+            seq.num_computed_tokens += chunk.num_new_tokens
+            self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            token = sampled.get(seq.seq_id)
+            if token is None:
+                continue
+            seq.token_ids.append(token)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+                return FinishReason.STOP
+        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            return FinishReason.LENGTH
+        if seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End a sequence wherever it is (running, waiting, or mid-step) and free its blocks at once."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.kv.free(seq.seq_id)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

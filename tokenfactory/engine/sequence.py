@@ -1,0 +1,68 @@
+"""One sequence's state: its tokens and how many of them the KV cache already holds.
+
+There is no prefill phase and no decode phase: `num_computed_tokens` chases `num_tokens`. A sequence
+whose gap is more than one token is prefilling (possibly in chunks); a gap of one is a decode.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from tokenfactory.types import FinishReason, SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    seq_id: str  # unique per sequence: "<request_id>" or "<request_id>#<index>" when n > 1
+    request_id: str
+    index: int  # which of the request's n outputs
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    token_ids: list[int] = field(default_factory=list)  # prompt + output
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache (first admission)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    # Another sequence whose prompt must be computed before this one is admitted, so that this one
+    # shares its prompt blocks through the prefix cache (the n > 1 siblings of a request).
+    wait_for: Sequence | None = None
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    tenant: str = "anonymous"
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

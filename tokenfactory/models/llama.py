@@ -1,0 +1,152 @@
+"""The Llama family (Llama 2/3, SmolLM/SmolLM2, Qwen2/2.5, Mistral) as one decoder over a flat batch.
+
+The model sees the step's tokens as one flat batch (T, ...) with their positions; attention over the
+paged KV cache is `paged_attention`. Projections are plain `nn.Linear` modules (q/k/v fused into one,
+gate/up fused into one) so that quantization can swap them for modules holding packed weights without
+the model knowing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenfactory.config import ModelConfig
+from tokenfactory.engine.attention import AttentionMetadata, paged_attention
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies (head_dim/2,), with Llama 3.1's frequency-dependent scaling when configured
+    (as in Meta's reference `apply_scaling` and transformers' `_compute_llama3_parameters`)."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    rs = cfg.rope_scaling
+    if not rs or rs.get("rope_type", rs.get("type")) != "llama3":
+        return inv_freq.float()
+    factor = float(rs["factor"])
+    low, high = float(rs.get("low_freq_factor", 1.0)), float(rs.get("high_freq_factor", 4.0))
+    old_len = float(rs.get("original_max_position_embeddings", 8192))
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+    scaled = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    return scaled.float()
+
+
+class Rotary(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(cfg))
+        self.register_buffer("cos", freqs.cos(), persistent=False)  # (P, d/2)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (T, heads, d); cos/sin (T, 1, d/2). The rotate-half convention of the HF checkpoints."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.eps = cfg.rms_norm_eps
+        self.scale = cfg.head_dim ** -0.5
+        self.input_norm = nn.Parameter(torch.ones(h))
+        self.qkv_proj = nn.Linear(h, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.q_size, h, bias=False)
+        self.post_norm = nn.Parameter(torch.ones(h))
+        self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, ...],
+                meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        hidden = rms_norm(x, self.input_norm, self.eps)
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)  # (T, nh, d)
+        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)  # (T, nkv, d)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        attn = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # (T, nh, d)
+        x = x + self.o_proj(attn.reshape(t, self.q_size))
+        gate, up = self.gate_up_proj(rms_norm(x, self.post_norm, self.eps)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in float32 as the reference does, then scale in the model's dtype.
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight  # one tensor, not two copies
+        self.rotary = Rotary(cfg, max_positions)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, ...]],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions (T,) -> hidden states (T, h), before the final norm."""
+        x = self.embed_tokens(input_ids)  # (T, h)
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv, meta)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (S, h) of the rows that sample -> logits (S, V) in float32."""
+        return self.lm_head(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)).float()
+
+    @torch.no_grad()
+    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy weights named as in Hugging Face checkpoints, fusing q/k/v and gate/up."""
+        def take(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ValueError(f"the checkpoint has no tensor {name!r}, which a "
+                                 f"{self.cfg.architecture} model with {self.cfg.num_layers} layers needs")
+            return weights[name]
+
+        self.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight  # re-tie: moving off the meta device unties
+        else:
+            self.lm_head.weight.copy_(take("lm_head.weight"))
+        self.norm.copy_(take("model.norm.weight"))
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            layer.input_norm.copy_(take(p + "input_layernorm.weight"))
+            layer.post_norm.copy_(take(p + "post_attention_layernorm.weight"))
+            a = p + "self_attn."
+            layer.qkv_proj.weight.copy_(torch.cat([take(a + f"{x}_proj.weight") for x in "qkv"]))
+            if self.cfg.attention_bias:
+                layer.qkv_proj.bias.copy_(torch.cat([take(a + f"{x}_proj.bias") for x in "qkv"]))
+            layer.o_proj.weight.copy_(take(a + "o_proj.weight"))
+            m = p + "mlp."
+            layer.gate_up_proj.weight.copy_(torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]))
+            layer.down_proj.weight.copy_(take(m + "down_proj.weight"))
+
+
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+    "llama": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+}
