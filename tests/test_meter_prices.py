@@ -1,0 +1,64 @@
+"""Prices: the dated defaults load, overrides merge key by key, amortisation, errors name the key."""
+
+import pytest
+
+from tokenfactory.meter.prices import (
+    HOURS_PER_YEAR,
+    PRICES_ENV,
+    load_price_table,
+    load_prices,
+    owned_usd_per_hour,
+)
+
+
+def test_defaults_are_dated_and_sourced():
+    table = load_price_table()
+    for key, profile in table["devices"].items():
+        assert profile.get("as_of") and profile.get("source"), key
+    assert table["electricity"]["as_of"] and table["electricity"]["source"]
+    prices = load_prices()
+    assert prices.device.profile == "cpu" and prices.usd_per_kwh > 0
+
+
+def test_profile_matched_from_gpu_name():
+    assert load_prices(device_name="NVIDIA H100 80GB HBM3").device.profile == "h100"
+    assert load_prices(device_name="NVIDIA H200").device.profile == "h200"
+    assert load_prices(device_name="Some Future GPU").device.profile == "cpu"
+
+
+def test_owned_device_amortised_at_utilisation():
+    prices = load_prices(device="h100-owned")
+    assert prices.device.basis == "owned"
+    assert prices.device.usd_per_hour == pytest.approx(30000.0 / (5.0 * HOURS_PER_YEAR * 0.6))
+    assert owned_usd_per_hour(8766.0, 1.0, 1.0) == pytest.approx(1.0)
+
+
+def test_override_file_merges_and_costs_follow(tmp_path, monkeypatch):
+    override = tmp_path / "prices.toml"
+    override.write_text('[electricity]\nusd_per_kwh = 0.30\n[overheads]\npue = 1.5\npsu_loss_factor = 1.06\n'
+                        '[devices.mine]\nbasis = "rented"\nusd_per_hour = 7.2\nmatch = ["Mine"]\n')
+    prices = load_prices(override, device_name="Mine X1")
+    assert prices.device.profile == "mine" and prices.usd_per_kwh == 0.30
+    assert prices.energy_overhead_factor == pytest.approx(1.59)
+    assert prices.energy_cost_usd(3.6e6) == pytest.approx(0.30 * 1.59)  # one kWh measured
+    assert prices.device_cost_usd(1800.0) == pytest.approx(3.6)
+    assert load_prices(override, device="h100").device.usd_per_hour == 2.99  # defaults kept
+    monkeypatch.setenv(PRICES_ENV, str(override))
+    assert load_prices().usd_per_kwh == 0.30
+
+
+def test_bad_prices_name_the_key(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[overheads]\npue = 0.5\n")
+    with pytest.raises(ValueError, match="overheads.pue"):
+        load_prices(bad)
+    bad.write_text('[devices.x]\nbasis = "owned"\npurchase_usd = 1.0\nlifetime_years = 1.0\nutilisation = 2.0\n')
+    with pytest.raises(ValueError, match="devices.x.utilisation"):
+        load_prices(bad, device="x")
+    with pytest.raises(ValueError, match="device_profile"):
+        load_prices(device="tpu-v9")
+    bad.write_text("not = [toml")
+    with pytest.raises(ValueError, match="not valid TOML"):
+        load_prices(bad)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_prices(tmp_path / "missing.toml")

@@ -1,0 +1,155 @@
+"""Prices: device time and joules into US dollars, from a TOML file with dated, sourced defaults.
+
+    cost_device_usd = device_seconds / 3600 · usd_per_device_hour
+    cost_energy_usd = joules · psu_loss_factor · pue / 3.6e6 [J/kWh] · usd_per_kwh
+    cost_usd        = cost_device_usd + cost_energy_usd
+
+A device is rented (usd_per_hour as billed) or owned, its purchase price amortised over its lifetime
+at a utilisation, so that the hours it stands idle are paid for by the hours it works:
+
+    usd_per_hour = purchase_usd / (lifetime_years · 8766 h/year · utilisation)
+
+Defaults live in prices.toml next to this file; an override file (argument, or TOKENFACTORY_PRICES)
+has the same shape, and each key it sets replaces the default's.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenfactory.types import ParameterError
+
+DEFAULT_PRICES_PATH = Path(__file__).with_name("prices.toml")
+PRICES_ENV = "TOKENFACTORY_PRICES"
+HOURS_PER_YEAR = 8766.0  # 365.25 · 24
+J_PER_KWH = 3.6e6
+
+
+def owned_usd_per_hour(purchase_usd: float, lifetime_years: float, utilisation: float) -> float:
+    """Amortised cost of one busy hour: purchase / (lifetime hours · utilisation)."""
+    return purchase_usd / (lifetime_years * HOURS_PER_YEAR * utilisation)
+
+
+@dataclass(frozen=True)
+class DevicePrice:
+    profile: str  # key under [devices] in the prices file
+    basis: str  # "rented" | "owned"
+    usd_per_hour: float  # per device; for owned devices, the amortised figure
+    as_of: str
+    source: str
+
+
+@dataclass(frozen=True)
+class Prices:
+    """Everything cost needs. The overhead factors are applied to joules only inside cost and shown."""
+
+    device: DevicePrice
+    usd_per_kwh: float
+    psu_loss_factor: float
+    pue: float
+    electricity_as_of: str
+    electricity_source: str
+    path: str  # the file(s) the figures came from
+
+    @property
+    def energy_overhead_factor(self) -> float:
+        """Wall-and-facility joules per measured joule: psu_loss_factor · pue."""
+        return self.psu_loss_factor * self.pue
+
+    def device_cost_usd(self, device_seconds: float) -> float:
+        return device_seconds / 3600.0 * self.device.usd_per_hour
+
+    def energy_cost_usd(self, joules: float) -> float:
+        return joules * self.energy_overhead_factor / J_PER_KWH * self.usd_per_kwh
+
+    def describe(self) -> str:
+        return (f"{self.device.profile} ({self.device.basis}) {self.device.usd_per_hour:.4g} USD/h as of "
+                f"{self.device.as_of}; electricity {self.usd_per_kwh:g} USD/kWh as of {self.electricity_as_of}; "
+                f"overheads psu {self.psu_loss_factor:g} × pue {self.pue:g}")
+
+
+def load_price_table(path: Path | None = None) -> dict[str, Any]:
+    """The default table, with `path` (or $TOKENFACTORY_PRICES) merged over it key by key."""
+    table = _read_toml(DEFAULT_PRICES_PATH)
+    override = path if path is not None else os.environ.get(PRICES_ENV)
+    if override:
+        _merge(table, _read_toml(Path(override)))
+    return table
+
+
+def load_prices(path: Path | None = None, device: str | None = None, device_name: str | None = None) -> Prices:
+    """Prices for one device profile: `device` names it; else the first profile whose `match`
+    substrings occur in `device_name` (e.g. NVML's "NVIDIA H100 80GB HBM3"); else "cpu"."""
+    table = load_price_table(path)
+    profiles = table.get("devices", {})
+    profile = device if device is not None else match_device_profile(profiles, device_name)
+    if profile not in profiles:
+        raise ParameterError("device_profile", f"device_profile {profile!r} is not in the prices file; "
+                                               f"known: {', '.join(sorted(profiles))}")
+    electricity, overheads = table.get("electricity", {}), table.get("overheads", {})
+    override = path if path is not None else os.environ.get(PRICES_ENV)
+    return Prices(
+        device=_device_price(profile, profiles[profile]),
+        usd_per_kwh=_number(electricity, "electricity", "usd_per_kwh", minimum=0.0),
+        psu_loss_factor=_number(overheads, "overheads", "psu_loss_factor", minimum=1.0),
+        pue=_number(overheads, "overheads", "pue", minimum=1.0),
+        electricity_as_of=str(electricity.get("as_of", "unknown")),
+        electricity_source=str(electricity.get("source", "unknown")),
+        path=f"{DEFAULT_PRICES_PATH}" + (f" + {override}" if override else ""),
+    )
+
+
+def match_device_profile(profiles: dict[str, Any], device_name: str | None) -> str:
+    if device_name:
+        for key, profile in profiles.items():
+            if any(m.lower() in device_name.lower() for m in profile.get("match", [])):
+                return key
+    return "cpu"
+
+
+def _device_price(key: str, entry: dict[str, Any]) -> DevicePrice:
+    where = f"devices.{key}"
+    basis = entry.get("basis", "rented")
+    if basis == "rented":
+        usd_per_hour = _number(entry, where, "usd_per_hour", minimum=0.0)
+    elif basis == "owned":
+        utilisation = _number(entry, where, "utilisation", minimum=0.0)
+        if not 0.0 < utilisation <= 1.0:
+            raise ParameterError(f"{where}.utilisation", f"{where}.utilisation must be in (0, 1], got {utilisation}")
+        usd_per_hour = owned_usd_per_hour(_number(entry, where, "purchase_usd", minimum=0.0),
+                                          _number(entry, where, "lifetime_years", minimum=1e-9), utilisation)
+    else:
+        raise ParameterError(f"{where}.basis", f"{where}.basis must be 'rented' or 'owned', got {basis!r}")
+    return DevicePrice(key, basis, usd_per_hour, str(entry.get("as_of", "unknown")),
+                       str(entry.get("source", "unknown")))
+
+
+def _number(table: dict[str, Any], where: str, key: str, minimum: float) -> float:
+    if key not in table:
+        raise ParameterError(f"{where}.{key}", f"the prices file has no {where}.{key}")
+    value = table[key]
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < minimum:
+        raise ParameterError(f"{where}.{key}", f"{where}.{key} must be a number >= {minimum:g}, got {value!r}")
+    return float(value)
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"prices file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"prices file {path} is not valid TOML: {e}") from None
+
+
+def _merge(base: dict[str, Any], override: dict[str, Any]) -> None:
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = value
