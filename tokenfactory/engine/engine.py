@@ -215,7 +215,8 @@ class LLMEngine:
             self.num_prompt_tokens_total += seq.num_prompt_tokens
         piece = st.stream.step(tok.token_id)  # type: ignore[attr-defined]
         if tok.logprobs is not None:
-            st.logprobs.append([Logprob(t, lp, self.tokenizer.id_to_token(t)) for t, lp in tok.logprobs])
+            st.logprobs.append([Logprob(t, lp, self.tokenizer.decode([t], skip_special_tokens=False))
+                                for t, lp in tok.logprobs])
         if piece:
             st.text += piece
         if seq.params.stop and seq.finish_reason is not FinishReason.STOP:

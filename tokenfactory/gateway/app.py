@@ -1,0 +1,388 @@
+"""The OpenAI-compatible HTTP API on top of the threaded engine.
+
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health, GET /metrics.
+Every error leaves in OpenAI's shape {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tokenfactory.engine.async_engine import AddRequest, AsyncEngine, EngineDeadError
+from tokenfactory.gateway.metrics import ServerMetrics
+from tokenfactory.gateway.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from tokenfactory.gateway.render import Choice, render_chat, render_completion, usage_dict
+from tokenfactory.types import ParameterError, RequestOutput, SamplingParams
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    served_model_name: str
+    max_waiting: int = 256  # requests queued beyond this are refused with 503
+    max_body_bytes: int = 4 << 20
+    retry_after_s: int = 2
+    hooks: list[Callable[[RequestOutput, str], Awaitable[dict]]] = field(default_factory=list)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
+
+
+def error_response(status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class BodySizeLimit:
+    """Refuse bodies over the limit with 413, by Content-Length or by counting a chunked body."""
+
+    def __init__(self, app: Callable, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers", [])).get(b"content-length")
+        too_big = error_response(413, f"the request body is larger than the server's limit of {self.max_bytes} "
+                                 "bytes", "invalid_request_error", code="request_too_large")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await too_big(scope, receive, send)
+        seen = 0
+
+        async def counting_receive() -> dict:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise APIError(413, f"the request body is larger than the server's limit of {self.max_bytes} bytes",
+                               code="request_too_large")
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+
+def build_app(engine: AsyncEngine, settings: ServerSettings, on_shutdown: Callable[[], None] | None = None) -> FastAPI:
+    metrics = ServerMetrics(engine.engine, settings.served_model_name, lambda: engine.num_waiting)
+    handler = Handler(engine, settings, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        if on_shutdown is not None:
+            on_shutdown()
+
+    app = FastAPI(title="tokenfactory", lifespan=lifespan)
+    app.state.handler = handler
+    app.state.metrics = metrics
+    install_error_handlers(app, metrics, settings.served_model_name)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if engine.is_alive:
+            return JSONResponse({"status": "ok", "model": settings.served_model_name})
+        return JSONResponse({"status": "unavailable", "reason": engine.dead_reason or "the engine is not running"},
+                            status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        e = engine.engine
+        return {"object": "list", "data": [{
+            "id": settings.served_model_name, "object": "model", "created": int(handler.started),
+            "owned_by": "tokenfactory", "root": e.model_path, "max_model_len": e.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await handler.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        return await handler.chat(body, request)
+
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)  # type: ignore[arg-type]
+    return app
+
+
+def install_error_handlers(app: FastAPI, metrics: ServerMetrics, model_name: str) -> None:
+    def count(status: int) -> None:
+        metrics.errors.labels(model_name, str(status)).inc()
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> JSONResponse:
+        count(e.status)
+        return error_response(e.status, e.message, e.type, e.param, e.code, e.headers)
+
+    @app.exception_handler(ParameterError)
+    async def parameter_error(_: Request, e: ParameterError) -> JSONResponse:
+        count(400)
+        return error_response(400, str(e), "invalid_request_error", e.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        count(400)
+        err = e.errors()[0] if e.errors() else {}
+        if err.get("type") == "json_invalid":
+            return error_response(400, f"the request body is not valid JSON: {err.get('msg', '')}",
+                                  "invalid_request_error", code="invalid_json")
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        if err.get("type") == "extra_forbidden":
+            message = f"unrecognized request argument: {param}"
+        elif err.get("type") == "missing":
+            message = f"missing required parameter: {param}"
+        else:
+            message = f"invalid value for {param}: {err.get('msg', 'invalid')}"
+        return error_response(400, message, "invalid_request_error", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        count(e.status_code)
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return error_response(e.status_code, str(e.detail), kind)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, e: Exception) -> JSONResponse:
+        count(500)
+        return error_response(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+
+
+@dataclass
+class Prepared:
+    """One prompt, tokenized and checked, ready for the engine."""
+
+    text: str | None
+    token_ids: list[int]
+    params: SamplingParams
+
+
+class Handler:
+    def __init__(self, engine: AsyncEngine, settings: ServerSettings, metrics: ServerMetrics) -> None:
+        self.engine, self.settings, self.metrics = engine, settings, metrics
+        self.started = time.time()
+        self.last_output_time: dict[str, float] = {}
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - the model's Tokenizer
+        return self.engine.engine.tokenizer
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.settings.served_model_name:
+            raise APIError(404, f"the model {name!r} does not exist on this server; it serves "
+                           f"{self.settings.served_model_name!r} (see GET /v1/models)", "not_found_error",
+                           "model", "model_not_found")
+
+    def prepare(self, body: _SamplingFields, text: str | None, ids: list[int], max_tokens: int | None,
+                logprobs: int | None) -> Prepared:
+        e = self.engine.engine
+        e.check_prompt_length(len(ids))
+        room = e.max_model_len - len(ids)
+        if max_tokens is None:
+            max_tokens = room
+        elif max_tokens > room:
+            raise ParameterError(
+                "max_tokens", f"this model's context window is {e.max_model_len} model tokens; the prompt has "
+                f"{len(ids)} and max_tokens asks for {max_tokens} more: lower max_tokens to at most {room}")
+        return Prepared(text, ids, body.sampling_params(max_tokens, logprobs))
+
+    def check_capacity(self, num_requests: int) -> None:
+        if not self.engine.is_alive:
+            raise APIError(503, self.engine.dead_reason or "the engine is not running", "server_error")
+        if self.engine.num_waiting + num_requests > self.settings.max_waiting:
+            raise APIError(503, f"the server is overloaded: {self.engine.num_waiting} requests are already "
+                           f"waiting (limit {self.settings.max_waiting}); retry after {self.settings.retry_after_s} s",
+                           "server_error", code="overloaded",
+                           headers={"Retry-After": str(self.settings.retry_after_s)})
+
+    # -- endpoints --------------------------------------------------------------------------------------
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        self.check_model(body.model)
+        if body.best_of not in (None, 1) or body.suffix is not None:
+            raise ParameterError("best_of" if body.suffix is None else "suffix",
+                                 "best_of and suffix are not supported by this server")
+        prompts = self.normalize_prompts(body.prompt)
+        prepared = [self.prepare(body, text, ids, body.max_tokens, body.logprobs) for text, ids in prompts]
+        return await self.serve(body, prepared, request, "text_completion", echo=body.echo)
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        self.check_model(body.model)
+        body.check_supported()
+        messages = []
+        for m in body.messages:
+            extra = {k: v for k, v in (m.model_extra or {}).items() if isinstance(v, str)}
+            messages.append({**extra, "role": m.role, "content": m.text()})
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+        except Exception as e:  # the template's own raise_exception(): e.g. roles out of order
+            raise ParameterError("messages", f"the model's chat template refused these messages: {e}") from e
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        prepared = [self.prepare(body, text, ids, max_tokens, logprobs)]
+        return await self.serve(body, prepared, request, "chat.completion")
+
+    def normalize_prompts(self, prompt: str | list) -> list[tuple[str | None, list[int]]]:
+        if isinstance(prompt, str):
+            return [(prompt, self.tokenizer.encode(prompt))]
+        if not prompt:
+            raise ParameterError("prompt", "prompt must not be empty")
+        if all(isinstance(p, int) for p in prompt):
+            return [(None, self.engine.engine.tokenize_prompt(list(prompt))[1])]
+        if all(isinstance(p, str) for p in prompt):
+            return [(p, self.tokenizer.encode(p)) for p in prompt]
+        if all(isinstance(p, list) for p in prompt):
+            return [(None, self.engine.engine.tokenize_prompt(p)[1]) for p in prompt]
+        raise ParameterError("prompt", "prompt must be a string, a list of strings, a list of token ids, "
+                             "or a list of lists of token ids")
+
+    async def serve(self, body: _SamplingFields, prepared: list[Prepared], request: Request, kind: str,
+                    echo: bool = False) -> Response:
+        self.check_capacity(len(prepared))
+        request_id = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}"
+        adds = [AddRequest(f"{request_id}-{i}", p.token_ids, p.text, p.params, time.monotonic(), "anonymous", 0)
+                for i, p in enumerate(prepared)]
+        render = render_chat if kind == "chat.completion" else render_completion
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(self.stream(adds, request_id, render, include_usage, echo),
+                                     media_type="text/event-stream")
+        finals = await self.collect(adds, request)
+        choices = []
+        for i, out in enumerate(finals):
+            n = len(out.outputs)
+            for c in out.outputs:
+                prefix = (out.prompt or "") if echo else ""
+                choices.append(Choice(i * n + c.index, prefix + c.text, c.finish_reason, c.logprobs))
+        return JSONResponse(render.full(request_id, self.settings.served_model_name, choices,
+                                        usage_dict(finals, await self.extra_usage(finals, request_id))))
+
+    async def collect(self, adds: list[AddRequest], request: Request) -> list[RequestOutput]:
+        """Run each prompt to the end; if the client disconnects first, abort them all."""
+        async def one(add: AddRequest) -> RequestOutput:
+            final = None
+            try:
+                async for out in self.engine.generate(add):
+                    final = self.observe(out, final)
+            finally:
+                self.last_output_time.pop(add.request_id, None)
+            assert final is not None
+            return final
+
+        tasks = [asyncio.ensure_future(one(a)) for a in adds]
+        gathered = asyncio.gather(*tasks)
+        try:
+            while True:
+                done, _ = await asyncio.wait({gathered}, timeout=0.5)
+                if done:
+                    return self.unwrap(gathered)
+                if await request.is_disconnected():
+                    raise asyncio.CancelledError
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def unwrap(self, gathered: asyncio.Future) -> list[RequestOutput]:
+        try:
+            return gathered.result()
+        except EngineDeadError as e:
+            raise APIError(500, str(e), "server_error") from e
+
+    def observe(self, out: RequestOutput, previous: RequestOutput | None) -> RequestOutput:
+        """Per output event: inter-token latency (spread over the tokens the event carries), and the
+        request's latency histograms once it finishes."""
+        now = time.monotonic()
+        new_tokens = sum(len(c.token_ids_delta) for c in out.outputs)
+        last = self.last_output_time.get(out.request_id)
+        if previous is not None and last is not None and new_tokens:
+            self.metrics.itl.labels(self.settings.served_model_name).observe((now - last) / new_tokens)
+        self.last_output_time[out.request_id] = now
+        if out.finished:
+            self.last_output_time.pop(out.request_id, None)
+            self.record_finished(out)
+        return out
+
+    def record_finished(self, out: RequestOutput) -> None:
+        name, m = self.settings.served_model_name, out.metrics
+        if m is not None:
+            for hist, value in ((self.metrics.ttft, m.ttft), (self.metrics.e2e, m.e2e_latency),
+                                (self.metrics.queue, m.queue_time)):
+                if value is not None:
+                    hist.labels(name).observe(value)
+        self.metrics.prompt_len.labels(name).observe(len(out.prompt_token_ids))
+        self.metrics.gen_len.labels(name).observe(sum(len(c.token_ids) for c in out.outputs))
+        for c in out.outputs:
+            self.metrics.success.labels(name, str(c.finish_reason)).inc()
+
+    async def extra_usage(self, finals: list[RequestOutput], request_id: str) -> dict:
+        extra: dict = {}
+        for hook in self.settings.hooks:
+            for out in finals:
+                for key, value in (await hook(out, request_id)).items():
+                    extra[key] = value if key not in extra or value is None or extra[key] is None \
+                        else extra[key] + value
+        return extra
+
+    async def stream(self, adds: list[AddRequest], request_id: str, render: type, include_usage: bool,
+                     echo: bool) -> AsyncIterator[str]:
+        model, created = self.settings.served_model_name, int(time.time())
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, add: AddRequest) -> None:
+            previous = None
+            try:
+                async for out in self.engine.generate(add):
+                    previous = self.observe(out, previous)
+                    await queue.put((i, out))
+            except EngineDeadError as e:
+                await queue.put((i, e))
+            finally:
+                self.last_output_time.pop(add.request_id, None)
+
+        tasks = [asyncio.ensure_future(pump(i, a)) for i, a in enumerate(adds)]
+        finals: dict[int, RequestOutput] = {}
+        try:
+            for chunk in render.first_chunks(request_id, model, created, adds, echo):
+                yield sse(chunk, include_usage)
+            while len(finals) < len(adds):
+                i, out = await queue.get()
+                if isinstance(out, Exception):
+                    yield sse({"error": {"message": str(out), "type": "server_error", "param": None, "code": None}})
+                    return
+                for chunk in render.delta_chunks(request_id, model, created, i, out):
+                    yield sse(chunk, include_usage)
+                if out.finished:
+                    finals[i] = out
+            if include_usage:
+                ordered = [finals[i] for i in sorted(finals)]
+                usage = usage_dict(ordered, await self.extra_usage(ordered, request_id))
+                yield sse(render.usage_chunk(request_id, model, created, usage))
+            yield "data: [DONE]\n\n"
+        finally:
+            for t in tasks:
+                t.cancel()
+
+
+def sse(chunk: dict, include_usage: bool = False) -> str:
+    if include_usage and "usage" not in chunk:
+        chunk = {**chunk, "usage": None}
+    return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"

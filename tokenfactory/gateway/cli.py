@@ -1,0 +1,103 @@
+"""`tokenfactory serve`: the OpenAI-compatible server on our engine. With no flags, the bundled model."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+
+from tokenfactory.types import ParameterError
+
+logger = logging.getLogger("tokenfactory.serve")
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+
+
+def parse_memory(text: str) -> int | float:
+    """'2GiB', '512MB', '1000000' (bytes) or '0.4' (a fraction of free memory)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"expected bytes (e.g. 2GiB, 512MB) or a fraction in (0, 1], got {text!r}")
+    value, unit = float(m.group(1)), m.group(2).lower()
+    if not unit and value <= 1.0 and "." in m.group(1):
+        return value
+    return int(value * _UNITS[unit])
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: bundled SmolLM2-135M)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory", type=parse_memory, default=None,
+                   help="KV cache size: bytes (2GiB) or a fraction of free memory (0.5)")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201 - EngineConfig (imported lazily)
+    from tokenfactory.config import EngineConfig
+
+    return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                        enable_prefix_caching=not args.no_prefix_caching, seed=args.seed)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("serve", help="run the OpenAI-compatible server")
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="model id in the API (default: the file's name)")
+    p.add_argument("--max-waiting", type=int, default=256, help="queued requests beyond this get 503")
+    p.add_argument("--max-body-bytes", type=parse_memory, default=4 << 20)
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=serve)
+
+
+def served_name(model_path: str, explicit: str | None) -> str:
+    if explicit:
+        return explicit
+    from pathlib import Path
+
+    name = Path(model_path).name
+    return re.sub(r"\.(Q\d\w*|F16|F32|BF16)?\.?gguf$", "", name, flags=re.IGNORECASE).rstrip(".") or name
+
+
+def serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    from tokenfactory.engine.async_engine import AsyncEngine
+    from tokenfactory.engine.engine import LLMEngine
+    from tokenfactory.gateway.app import ServerSettings, build_app
+
+    try:
+        engine = LLMEngine(engine_config_from_args(args))
+    except (ParameterError, ValueError, FileNotFoundError) as e:
+        print(f"tokenfactory serve: cannot start: {e}", file=sys.stderr)
+        return 2
+    engine.warmup()
+    name = served_name(engine.model_path, args.served_model_name)
+    async_engine = AsyncEngine(engine)
+    async_engine.start()
+    settings = ServerSettings(served_model_name=name, max_waiting=args.max_waiting,
+                              max_body_bytes=int(args.max_body_bytes))
+    app = build_app(async_engine, settings, on_shutdown=async_engine.shutdown)
+    cap = engine.capacity
+    print(f"tokenfactory serving {name}\n"
+          f"  model   {engine.model_path}\n"
+          f"  device  {engine.device} ({str(engine.dtype).removeprefix('torch.')}), "
+          f"{engine.runner.weight_bytes / 2**20:.0f} MiB of weights\n"
+          f"  KV      {cap.num_tokens} tokens in {cap.num_blocks} blocks ({cap.total_bytes / 2**30:.2f} GiB); "
+          f"max_model_len {cap.max_model_len} -> {cap.max_concurrent_seqs:.1f} sequences at full length\n"
+          f"  auth    off (anyone who can reach the port can use it)\n"
+          f"  url     http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                timeout_graceful_shutdown=30)
+    return 0

@@ -1,0 +1,76 @@
+"""Prometheus metrics, under vLLM's names with our prefix (`vllm:` -> `tokenfactory:`), so operators'
+dashboards carry over. Each metric is documented in docs/metrics.md.
+
+Engine-side counts (running, waiting, KV usage, token and prefix-cache counters, preemptions) are read
+from the engine when Prometheus scrapes, so the step loop does no metrics work at all; per-request
+latencies are observed by the server when a request finishes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from tokenfactory.engine.engine import LLMEngine
+
+P = "tokenfactory:"
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                   10.0, 20.0, 40.0, 80.0, 160.0)
+
+
+class EngineCollector(Collector):
+    def __init__(self, engine: LLMEngine, model_name: str, num_waiting: Callable[[], int]) -> None:
+        self.engine, self.model_name, self.num_waiting = engine, model_name, num_waiting
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        e, labels = self.engine, ["model_name"]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(P + name, doc, labels=labels)
+            g.add_metric([self.model_name], value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(P + name, doc, labels=labels)
+            c.add_metric([self.model_name], value)
+            return c
+
+        yield gauge("num_requests_running", "Sequences in the running batch.", e.num_running)
+        yield gauge("num_requests_waiting", "Sequences and requests waiting to be scheduled.", self.num_waiting())
+        yield gauge("kv_cache_usage_perc", "Share of KV-cache blocks in use (0..1).", e.kv.usage)
+        yield gauge("kv_cache_num_blocks", "KV-cache blocks in the pool.", e.kv.num_blocks)
+        yield gauge("max_num_seqs", "Configured cap on running sequences.", e.config.max_num_seqs)
+        yield gauge("max_num_batched_tokens", "Configured token budget per step.", e.config.max_num_batched_tokens)
+        yield counter("prompt_tokens", "Prompt tokens processed (cache hits included).", e.num_prompt_tokens_total)
+        yield counter("generation_tokens", "Tokens generated.", e.num_generation_tokens_total)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", e.kv.num_prefix_queries)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", e.kv.num_prefix_hits)
+        yield counter("num_preemptions", "Sequences preempted (by recompute) for lack of KV blocks.",
+                      e.scheduler.num_preemptions)
+        yield counter("engine_steps", "Engine steps run.", e.num_steps)
+
+
+class ServerMetrics:
+    def __init__(self, engine: LLMEngine, model_name: str, num_waiting: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine, model_name, num_waiting))
+        labels = ["model_name"]
+        self.model_name = model_name
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> Histogram:
+            return Histogram(P + name, doc, labels, buckets=buckets, registry=self.registry)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time from arrival to the first generated token.")
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive generated tokens.")
+        self.e2e = hist("e2e_request_latency_seconds", "Time from arrival to the last token.")
+        self.queue = hist("request_queue_time_seconds", "Time from arrival to first being scheduled.")
+        token_buckets = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+        self.prompt_len = hist("request_prompt_tokens", "Prompt length of finished requests.", token_buckets)
+        self.gen_len = hist("request_generation_tokens", "Generated tokens of finished requests.", token_buckets)
+        self.success = Counter(P + "request_success", "Finished requests by finish reason.",
+                               ["model_name", "finished_reason"], registry=self.registry)
+        self.errors = Counter(P + "request_errors", "Requests refused or failed, by HTTP status.",
+                              ["model_name", "status"], registry=self.registry)

@@ -1,0 +1,133 @@
+"""OpenAI request bodies (pydantic), and their translation to SamplingParams.
+
+Unknown fields are rejected (400, naming the field) as OpenAI does; fields OpenAI has that we accept
+but do not act on are declared and documented. vLLM's extra sampling names (top_k, min_p,
+repetition_penalty, ignore_eos, min_tokens, ...) are accepted too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tokenfactory.types import ParameterError, SamplingParams
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted, recorded nowhere
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extra sampling parameters
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    speculative: bool = True  # per-request opt-out of speculative decoding
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if self.logit_bias:
+            raise ParameterError("logit_bias", "logit_bias is not supported by this server")
+        if self.stream_options is not None and not self.stream:
+            raise ParameterError("stream_options", "stream_options is only allowed when stream is true")
+        if self.n > 16:
+            raise ParameterError("n", f"n must be at most 16, got {self.n}")
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=tuple([self.stop] if isinstance(self.stop, str) else (self.stop or [])),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            speculative=self.speculative,
+        )
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # the legacy endpoint's default
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ... pass through to the template
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text":
+                raise ParameterError("messages", f"content parts of type {part.get('type')!r} are not supported; "
+                                     "this model reads text only")
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=0)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    add_generation_prompt: bool = True
+
+    def check_supported(self) -> None:
+        if not self.messages:
+            raise ParameterError("messages", "messages must hold at least one message")
+        if self.tools:
+            raise ParameterError("tools", "tool calling is not supported by this server")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ParameterError("response_format", "only response_format {\"type\": \"text\"} is supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ParameterError("top_logprobs", "top_logprobs needs logprobs set to true")
