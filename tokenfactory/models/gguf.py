@@ -32,7 +32,7 @@ from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from tokenfactory.config import ModelConfig
-from tokenfactory.models.loader import LoadedModel, RawGGUFTensors, check_weight_shapes
+from tokenfactory.models.loader import LoadedModel, RawGGUFTensors, check_weight_shapes, expected_weight_shapes
 from tokenfactory.models.tokenizer import Tokenizer, template_processing
 
 logger = logging.getLogger(__name__)
@@ -221,6 +221,8 @@ LAYER_TENSOR_TO_HF = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+_HF_TO_GLOBAL_TENSOR = {hf: name for name, hf in GLOBAL_TENSOR_TO_HF.items()}
+_HF_TO_LAYER_TENSOR = {hf: name for name, hf in LAYER_TENSOR_TO_HF.items()}
 ROPE_FREQS_TENSOR = "rope_freqs.weight"  # Llama 3.1 RoPE scaling, written as per-frequency divisors
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
 
@@ -233,8 +235,9 @@ def load_gguf(path: Path) -> LoadedModel:
     config = gguf_model_config(gguf_file, arch, tokenizer)
     hf_to_gguf = {hf_tensor_name(gguf_file, name): name for name in gguf_file.tensors
                   if name != ROPE_FREQS_TENSOR}
+    shown = {hf: gguf_tensor_name(hf) for hf in expected_weight_shapes(config)} | hf_to_gguf  # for messages
     check_weight_shapes({hf: gguf_file.tensors[name].shape for hf, name in hf_to_gguf.items()},
-                        config, path, hf_to_gguf)
+                        config, path, shown)
     weights, raw = gguf_weights(gguf_file, hf_to_gguf, config, arch)
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, path=path, format="gguf",
                        raw_gguf=raw)
@@ -257,6 +260,14 @@ def hf_tensor_name(gguf_file: GGUFFile, gguf_name: str) -> str:
         return f"model.layers.{match[1]}.{LAYER_TENSOR_TO_HF[match[2]]}"
     raise ValueError(f"{gguf_file.path}: tensor {gguf_name!r} is not part of a dense llama/qwen2/mistral "
                      f"decoder (mixture-of-experts and other variants are not supported)")
+
+
+def gguf_tensor_name(hf_name: str) -> str:
+    """The GGUF name llama.cpp gives a Hugging Face tensor (the inverse of hf_tensor_name)."""
+    if hf_name in _HF_TO_GLOBAL_TENSOR:
+        return _HF_TO_GLOBAL_TENSOR[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)  # model.layers.{i}.{rest}
+    return f"blk.{layer}.{_HF_TO_LAYER_TENSOR[rest]}"
 
 
 def gguf_model_config(gguf_file: GGUFFile, arch: GGUFArchitecture, tokenizer: Tokenizer) -> ModelConfig:
