@@ -2,12 +2,13 @@
 
 import random
 import threading
+import time
 
 import pytest
 
 from tokenfactory.config import ModelConfig
 from tokenfactory.meter.attribution import Meter, MeterConfig, work_flops
-from tokenfactory.meter.power import EnergyReading, UnavailableSource
+from tokenfactory.meter.power import ConstantSource, EnergyReading, UnavailableSource
 from tokenfactory.meter.prices import load_prices
 from tokenfactory.types import SequenceWork, StepStats
 
@@ -206,6 +207,7 @@ def test_long_idle_settles_lazily_and_keeps_memory_bounded():
         meter.tick()
     totals = meter.totals()
     assert totals.idle_joules == pytest.approx(20.0 * 95, abs=20.0)
+    assert totals.idle_joules + totals.unsettled_joules == pytest.approx(2000.0)
     assert len(meter._energy.idle_samples) <= 6
 
 
@@ -244,6 +246,25 @@ def test_thread_safety_invariant_under_concurrent_readers():
     finished += [meter.finish_request(f"r{i}") for i in range(50)]
     totals = meter.totals()
     accounted = sum(r.energy_joules for r in finished) + totals.idle_joules + totals.unattributed_joules
-    settled = meter._energy.settled.joules - meter._energy.first.joules
-    assert accounted == pytest.approx(settled, rel=1e-9)
+    accounted += totals.unsettled_joules
+    assert accounted == pytest.approx(totals.energy_joules_by_source["fake"], rel=1e-9)
     assert sum(r.energy_joules for r in finished) > 0.9 * 2000 * 0.01 * 200.0 * 0.99
+
+
+def test_sequences_of_one_request_add_up_within_a_step():
+    clock, source, meter = make_meter(watts=0.0)
+    work = [SequenceWork("n2", 1, 50, False), SequenceWork("n2", 1, 50, False), SequenceWork("solo", 1, 50, False)]
+    meter.on_step(step(clock, source, 0.3, 100.0, work))
+    both, solo = meter.finish_request("n2"), meter.finish_request("solo")
+    assert both.energy_joules == pytest.approx(20.0) and solo.energy_joules == pytest.approx(10.0)
+    assert both.num_steps == 1 and both.flops == pytest.approx(2 * work_flops(MODEL, 1, 50))
+
+
+def test_background_ticker_measures_idle_with_a_real_clock():
+    meter = Meter(ConstantSource(100.0, "machine"), MODEL, load_prices(),
+                  MeterConfig(tick_interval_s=0.02, settle_after_s=0.05))
+    with meter:
+        time.sleep(0.3)
+    totals = meter.totals()
+    assert totals.idle_joules > 0 and totals.current_watts == pytest.approx(100.0)
+    assert totals.idle_joules + totals.unsettled_joules == pytest.approx(totals.energy_joules_by_source["constant"])

@@ -21,9 +21,10 @@ and decode steps (n = 1, c large) are weighed on the same scale.
 
 Device time is split the same way: a request's device_seconds is Σ step duration · num_devices ·
 its FLOP share. Energy read while no step ran is idle energy, counted apart and never inside a
-request. Invariant, tested: Σ request joules + idle joules + unattributed joules = E(last settled
-reading) − E(first reading). Unattributed joules belong to steps whose request had already finished
-before the energy could be read (only after a failed read) or to steps with no work.
+request. Invariant, tested: Σ request joules + idle + unattributed + unsettled = E(latest reading) −
+E(first reading). Unattributed joules belong to steps whose request had already finished before the
+energy could be read (only after a failed read) or to steps with no work; unsettled joules are read
+but not yet split (idle readings younger than settle_after_s, or steps waiting for a reading).
 """
 
 from __future__ import annotations
@@ -117,6 +118,7 @@ class MeterTotals:
     attributed_joules: float | None  # settled into requests (finished or running)
     idle_joules: float | None
     unattributed_joules: float | None
+    unsettled_joules: float | None  # read but not yet split (recent idle readings, steps awaiting a read)
     current_watts: float | None  # average over the trailing watts_window_s
     busy_device_seconds: float
     idle_device_seconds: float
@@ -183,6 +185,8 @@ class Meter:
                  config: MeterConfig | None = None, clock: Clock = time.monotonic) -> None:
         self._source, self._model, self._prices = source, model, prices
         self._config = config if config is not None else MeterConfig()
+        self._flops_per_token = 2.0 * model.num_params  # work_flops, split for the step loop
+        self._flops_per_key = 4.0 * model.num_layers * model.num_heads * model.head_dim
         self._clock = clock
         self._lock = threading.Lock()
         self._started = clock()
@@ -225,25 +229,29 @@ class Meter:
 
     def on_step(self, stats: StepStats) -> None:
         """Account one finished step. Cheap: one counter read and arithmetic, no I/O or logging."""
-        flops = [(w.request_id, work_flops(self._model, w.num_new_tokens, w.num_context_tokens))
-                 for w in stats.work]
-        total_flops = sum(f for _, f in flops)
-        request_id_to_share: dict[str, float] = {}
-        for request_id, f in flops:
-            share = f / total_flops if total_flops > 0 else 1.0 / len(flops)
-            request_id_to_share[request_id] = request_id_to_share.get(request_id, 0.0) + share
+        per_token, per_key = self._flops_per_token, self._flops_per_key  # see work_flops
+        request_id_to_flops: dict[str, float] = {}
+        for w in stats.work:
+            n = w.num_new_tokens
+            f = per_token * n + per_key * (n * w.num_context_tokens + n * (n + 1) / 2)
+            request_id_to_flops[w.request_id] = request_id_to_flops.get(w.request_id, 0.0) + f
+        total_flops = sum(request_id_to_flops.values())
+        count = len(request_id_to_flops)
+        request_id_to_share = {r: (f / total_flops if total_flops > 0 else 1.0 / count)
+                               for r, f in request_id_to_flops.items()}
         device_seconds = stats.duration_s * self._config.num_devices
         with self._lock:
             self._busy_device_seconds += device_seconds
+            accounts = self._accounts
             for request_id, share in request_id_to_share.items():
-                account = self._accounts.setdefault(request_id, _Account())
+                account = accounts.get(request_id)
+                if account is None:
+                    account = accounts[request_id] = _Account()
                 account.device_seconds += device_seconds * share
+                account.flops += request_id_to_flops[request_id]
                 account.num_steps += 1
-            for request_id, f in flops:
-                self._accounts[request_id].flops += f
+                account.num_pending_steps += 1
             self._pending.append(_PendingStep(stats.start_time, stats.duration_s, request_id_to_share))
-            for request_id in request_id_to_share:
-                self._accounts[request_id].num_pending_steps += 1
             self._read_and_settle()
 
     def tick(self) -> None:
@@ -288,6 +296,7 @@ class Meter:
                 attributed_joules=energy.attributed_joules if measured else None,
                 idle_joules=energy.idle_joules if measured else None,
                 unattributed_joules=energy.unattributed_joules if measured else None,
+                unsettled_joules=energy.latest.joules - energy.settled.joules if measured else None,
                 current_watts=self._current_watts(),
                 busy_device_seconds=self._busy_device_seconds,
                 idle_device_seconds=idle_device_s,
