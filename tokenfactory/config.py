@@ -80,6 +80,9 @@ class EngineConfig:
     # Bytes (int) or a fraction of free memory (float in (0, 1]); None: a default for the device.
     kv_cache_memory: int | float | None = None
     enable_prefix_caching: bool = True
+    # Weight quantization: "none", or a scheme of tokenfactory.engine.quant (int8, int4, ...; "auto" keeps
+    # a GGUF file's own quantization). Validated where the schemes live.
+    quantization: str = "none"
     seed: int = 0
     scheduling_policy: str = "fcfs"
     extra: dict[str, str] = field(default_factory=dict)

@@ -89,7 +89,8 @@ class LLMEngine:
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
         self.runner = ModelRunner(loaded.config, loaded.weights, device=self.device, dtype=self.dtype,
                                   num_blocks=self.capacity.num_blocks, block_size=config.block_size,
-                                  max_model_len=self.max_model_len, sampler=self.sampler)
+                                  max_model_len=self.max_model_len, sampler=self.sampler,
+                                  quantization=config.quantization, raw_gguf=loaded.raw_gguf)
         self.requests: dict[str, RequestState] = {}
         self.step_listeners: list[Callable[[StepStats], None]] = []
         self.recent_steps: deque[StepStats] = deque(maxlen=1024)

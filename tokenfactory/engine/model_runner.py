@@ -12,10 +12,12 @@ import torch
 
 from tokenfactory.config import ModelConfig
 from tokenfactory.engine.attention import AttentionMetadata, PrefillSpan
+from tokenfactory.engine.quant import apply_quantization
 from tokenfactory.engine.sampler import SampledToken, Sampler, SamplingBatch
 from tokenfactory.engine.scheduler import SchedulerOutput
 from tokenfactory.engine.sequence import Sequence
 from tokenfactory.models.llama import MODEL_REGISTRY, LlamaForCausalLM, Rotary
+from tokenfactory.models.loader import RawGGUFTensors
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -33,7 +35,7 @@ class ModelInputs:
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor], *, device: torch.device,
                  dtype: torch.dtype, num_blocks: int, block_size: int, max_model_len: int,
-                 sampler: Sampler) -> None:
+                 sampler: Sampler, quantization: str = "none", raw_gguf: RawGGUFTensors | None = None) -> None:
         self.cfg = model_config
         self.device, self.dtype = device, dtype
         self.block_size = block_size
@@ -44,6 +46,7 @@ class ModelRunner:
         model = model.to_empty(device="cpu")
         model.load_hf_weights(weights)
         model = model.to(device=device, dtype=dtype).eval()
+        apply_quantization(model, quantization, raw_gguf=raw_gguf, dtype=dtype, device=device)
         # RoPE tables stay float32 whatever the model's dtype (as the reference computes them).
         model.rotary = Rotary(model_config, max_model_len).to(device)
         self.model: LlamaForCausalLM = model
