@@ -161,19 +161,36 @@ def tiny_byte_level_vocab() -> tuple[list[str], list[int], list[str]]:
     return tokens, [3, 3, 3] + [1] * (len(tokens) - 3), merges
 
 
+def tiny_sentencepiece_vocab() -> tuple[list[str], list[int], list[float]]:
+    """(tokens, token types, scores) of a small SentencePiece BPE vocabulary like Llama 2's: <unk>, <s>,
+    </s>, the 256 byte-fallback tokens, characters and merged pieces (higher score: merged earlier)."""
+    pieces = ["▁t", "he", "▁the", "in", "▁c", "at", "▁cat", "▁a", "on", "▁on", "▁s", "▁sat", "▁m", "▁mat",
+              "er", "▁in", "▁▁", "ing", "▁▁▁▁", "▁w", "or", "ld", "▁wor", "▁world", "▁T", "▁The", "▁h", "▁hat"]
+    chars = ["▁", "t", "h", "e", "a", "c", "i", "n", "o", "s", "m", "r", "g", "w", "l", "d", "T", "ï", "ü"]
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces, *chars]
+    types = [2, 3, 3] + [6] * 256 + [1] * (len(pieces) + len(chars))
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))] + [-1000.0 - i for i in range(len(chars))]
+    return tokens, types, scores
+
+
 def tiny_gguf_file(path: Path, arch: str = "llama", *, ggml_type: str = "F32", num_layers: int = 2,
                    hidden_size: int = 64, intermediate_size: int = 96, num_heads: int = 4, num_kv_heads: int = 2,
                    tie_word_embeddings: bool = False, drop_tensors: tuple[str, ...] = (),
                    extra_tensors: dict[str, torch.Tensor] | None = None,
-                   extra_metadata: dict[str, object] | None = None, seed: int = 0) -> dict[str, torch.Tensor]:
+                   extra_metadata: dict[str, object] | None = None, tokenizer_model: str = "gpt2",
+                   seed: int = 0) -> dict[str, torch.Tensor]:
     """Write a tiny GGUF the way llama.cpp's converter would (Q/K rows permuted for llama/mistral, not for
     qwen2; 2-D weights stored as `ggml_type`, norms and biases as F32) and return the Hugging Face-named
-    float32 weights it encodes (after the quantization round trip), for exact comparison."""
+    float32 weights it encodes (after the quantization round trip), for exact comparison.
+    `tokenizer_model` "gpt2" writes a byte-level BPE vocabulary, "llama" a SentencePiece one."""
     import gguf
     import numpy as np
     from gguf.quants import dequantize, quantize
 
-    tokens, token_types, merges = tiny_byte_level_vocab()
+    if tokenizer_model == "gpt2":
+        tokens, token_types, merges = tiny_byte_level_vocab()
+    else:
+        (tokens, token_types, scores), merges = tiny_sentencepiece_vocab(), None
     generator = torch.Generator().manual_seed(seed)
     config = ModelConfig(arch, len(tokens), hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads,
                          hidden_size // num_heads, tie_word_embeddings=tie_word_embeddings,
@@ -212,14 +229,18 @@ def tiny_gguf_file(path: Path, arch: str = "llama", *, ggml_type: str = "F32", n
     writer.add_head_count_kv(num_kv_heads)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
+    writer.add_tokenizer_model(tokenizer_model)
     writer.add_token_list(tokens)
     writer.add_token_types(token_types)
-    writer.add_token_merges(merges)
+    if merges is None:
+        writer.add_token_scores(scores)
+        writer.add_unk_token_id(0)
+    else:
+        writer.add_tokenizer_pre("smollm")
+        writer.add_token_merges(merges)
+        writer.add_add_bos_token(False)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
-    writer.add_add_bos_token(False)
     writer.add_chat_template(TINY_CHAT_TEMPLATE)
     for key, value in (extra_metadata or {}).items():
         writer.add_key_value(key, value, _gguf_value_type(value))
