@@ -25,6 +25,9 @@ request. Invariant, tested: Σ request joules + idle + unattributed + unsettled 
 E(first reading). Unattributed joules belong to steps whose request had already finished before the
 energy could be read (only after a failed read) or to steps with no work; unsettled joules are read
 but not yet split (idle readings younger than settle_after_s, or steps waiting for a reading).
+
+This file runs past 400 lines on purpose: the settlement rules, the formula and the result types
+they fill are read together when checking the invariant, and splitting them would scatter it.
 """
 
 from __future__ import annotations
