@@ -1,0 +1,147 @@
+"""Memory: weights, KV cache and runtime reserve per card, and what fits.
+
+Layout of one card's memory as planned (vLLM-style: the engine takes a share of the card, loads the
+weights, reserves room for activations and the runtime, and gives the rest to the paged KV cache):
+
+    |<------------------------ memory_gib * memory_utilization ------------------------>|<-- headroom -->|
+    | weights / N | runtime (CUDA ctx, workspaces) + activations |   KV cache blocks       |               |
+
+KV bytes per token = 2 (K and V) * layers * kv_heads * head_dim * dtype bytes: grouped-query
+attention counts KV heads, not query heads (Ainslie et al. 2023). With tensor parallelism each card
+holds ceil(kv_heads / N) heads (at least one: heads are replicated when N > kv_heads).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tokenfactory.planner.hardware import Hardware
+from tokenfactory.planner.modelsrc import ModelSpec
+from tokenfactory.planner.precision import Precision, parse_precision, precision_for_bytes
+
+BLOCK_SIZE = 16  # tokens per KV block (tokenfactory.config.EngineConfig.block_size default)
+
+
+@dataclass(frozen=True)
+class Weights:
+    """Weights in one format: bytes stored and bytes every decode step streams (all cards together)."""
+
+    precision: Precision
+    total_bytes: float
+    read_bytes_per_step: float  # layers + LM head; the embedding table only when it is the LM head
+    label: str
+
+
+def resolve_weights(model: ModelSpec, precision: str | None = None) -> Weights:
+    """Weights of `model` in `precision` (None: as stored: the GGUF file's real sizes, else the
+    config's dtype). Quantisation applies to the linear layers; embedding tables stay 16-bit."""
+    name = precision or model.default_precision
+    if name == "gguf":
+        return _gguf_weights(model)
+    p = parse_precision(name)
+    linear = (model.body_params + model.lm_head_params) * p.bytes_per_param
+    embedding = model.embedding_params * p.embedding_bytes_per_param
+    tied = model.config.tie_word_embeddings
+    return Weights(p, linear + embedding, linear + (embedding if tied else 0.0), p.name)
+
+
+def _gguf_weights(model: ModelSpec) -> Weights:
+    if model.gguf_weights_bytes is None:
+        raise ValueError("--precision gguf needs a .gguf model file")
+    embd = model.gguf_embedding_bytes or 0
+    tied = model.config.tie_word_embeddings
+    linear_params = max(model.body_params + model.lm_head_params, 1)
+    avg = (model.gguf_weights_bytes - embd) / linear_params
+    p = precision_for_bytes(avg)
+    label = f"{model.gguf_file_type or 'gguf'} ({avg * 8:.2f} bits/weight)"
+    read = model.gguf_weights_bytes - (0 if tied else embd)
+    return Weights(p, float(model.gguf_weights_bytes), float(read), label)
+
+
+def kv_bytes_per_token(model: ModelSpec, kv_dtype_bytes: int) -> int:
+    """K and V for every layer, whole model (all cards)."""
+    return model.config.kv_bytes_per_token(kv_dtype_bytes)
+
+
+def kv_bytes_per_token_per_card(model: ModelSpec, kv_dtype_bytes: int, num_devices: int) -> int:
+    cfg = model.config
+    heads_per_card = max(1, math.ceil(cfg.num_kv_heads / num_devices))
+    return 2 * cfg.num_layers * heads_per_card * cfg.head_dim * kv_dtype_bytes
+
+
+def activation_bytes(model: ModelSpec, max_num_batched_tokens: int, max_num_seqs: int,
+                     num_devices: int) -> int:
+    """Peak activations of one forward pass, per card (an estimate of what vLLM's profiling run
+    measures): per batched token the residual stream, q/k/v and attention output (~4 * hidden) and
+    the MLP gate/up outputs (2 * intermediate / N), in 16-bit; plus fp32 logits for each sequence."""
+    cfg = model.config
+    per_token = (4 * cfg.hidden_size + 2 * cfg.intermediate_size / num_devices) * 2
+    logits = max_num_seqs * cfg.vocab_size / num_devices * 4
+    return int(max_num_batched_tokens * per_token + logits)
+
+
+def round_up(tokens: int, block: int = BLOCK_SIZE) -> int:
+    return -(-tokens // block) * block
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Per-card memory budget of one replica and the KV capacity it leaves."""
+
+    num_devices: int
+    device_bytes: int
+    usable_bytes: int
+    weights_bytes: int
+    runtime_bytes: int
+    activation_bytes: int
+    kv_cache_bytes: int  # per card; 0 when nothing is left
+    kv_bytes_per_token: int  # whole model
+    kv_bytes_per_token_per_card: int
+    max_model_len: int
+
+    @property
+    def reserve_bytes(self) -> int:
+        return self.runtime_bytes + self.activation_bytes
+
+    @property
+    def shortfall_bytes(self) -> int:
+        """How much more memory per card the weights and reserve need (0 when they fit)."""
+        return max(0, self.weights_bytes + self.reserve_bytes - self.usable_bytes)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        blocks = self.kv_cache_bytes // (self.kv_bytes_per_token_per_card * BLOCK_SIZE)
+        return int(blocks * BLOCK_SIZE)
+
+    @property
+    def weights_fit(self) -> bool:
+        return self.shortfall_bytes == 0
+
+    @property
+    def fits(self) -> bool:
+        """Weights, reserve and one sequence of max_model_len fit."""
+        return self.weights_fit and self.kv_capacity_tokens >= round_up(self.max_model_len)
+
+    def max_seqs(self, tokens_per_seq: float) -> int:
+        """Sequences of `tokens_per_seq` tokens the cache holds at once (paged: whole blocks)."""
+        return self.kv_capacity_tokens // round_up(max(1, math.ceil(tokens_per_seq)))
+
+    @property
+    def max_seqs_at_max_len(self) -> int:
+        return self.max_seqs(self.max_model_len)
+
+
+def plan_memory(hw: Hardware, model: ModelSpec, weights: Weights, kv_dtype_bytes: int, max_model_len: int,
+                max_num_seqs: int, max_num_batched_tokens: int) -> MemoryPlan:
+    n = hw.count
+    usable = int(hw.device.memory_bytes * hw.memory_utilization)
+    weights_per_card = int(math.ceil(weights.total_bytes / n))
+    act = activation_bytes(model, max_num_batched_tokens, max_num_seqs, n)
+    kv = max(0, usable - weights_per_card - hw.runtime_overhead_bytes - act)
+    return MemoryPlan(num_devices=n, device_bytes=hw.device.memory_bytes, usable_bytes=usable,
+                      weights_bytes=weights_per_card, runtime_bytes=hw.runtime_overhead_bytes,
+                      activation_bytes=act, kv_cache_bytes=kv,
+                      kv_bytes_per_token=kv_bytes_per_token(model, kv_dtype_bytes),
+                      kv_bytes_per_token_per_card=kv_bytes_per_token_per_card(model, kv_dtype_bytes, n),
+                      max_model_len=max_model_len)
