@@ -104,15 +104,15 @@ class Window:
         total, n = self.delta(histogram + "_sum"), self.delta(histogram + "_count")
         return total / n if total is not None and n else None
 
-    def earlier_ratio(self, num: str, den: str, **labels: str) -> float | None:
+    def earlier_ratio(self, num: str, den: str) -> float | None:
         """num/den accumulated before the window: the baseline a rising or falling rate is judged by."""
         if self.before is None:
             return None
-        n, d = self.before.value(num, **labels), self.before.value(den, **labels)
+        n, d = self.before.value(num), self.before.value(den)
         return n / d if n is not None and d else None
 
-    def window_ratio(self, num: str, den: str, **labels: str) -> float | None:
-        n, d = self.delta(num, **labels), self.delta(den, **labels)
+    def window_ratio(self, num: str, den: str) -> float | None:
+        n, d = self.delta(num), self.delta(den)
         return n / d if n is not None and d else None
 
 
@@ -210,7 +210,10 @@ def joules_rising(w: Window) -> list[Finding]:
         labels = {"source": source} if source else {}
         now = w.delta("energy_joules_total", **labels)
         gen = w.delta("generation_tokens_total")
-        then = w.earlier_ratio("energy_joules_total", "generation_tokens_total", **labels)
+        then = None
+        if w.before is not None:
+            joules, tokens = w.before.value("energy_joules_total", **labels), w.before.value("generation_tokens_total")
+            then = joules / tokens if joules is not None and tokens else None
         if not now or not gen or then is None or now / gen < JOULES_RISE * then:
             continue
         watts = w.gauge("power_watts", **labels)

@@ -17,7 +17,7 @@ def count(value: float) -> str:
 
 
 def ms(seconds: float) -> str:
-    return f"{seconds * 1000:,.1f} ms" if seconds < 10 else f"{seconds:,.1f} s"
+    return f"{seconds * 1000:,.1f} ms" if seconds < 1 else f"{seconds:,.1f} s"
 
 
 def pct(fraction: float) -> str:
