@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,8 @@ def load_model(spec: str, catalog: Catalog) -> ModelSpec:
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"model: GGUF file {path} does not exist")
-        return _from_gguf(path)
+        stat = path.stat()
+        return _from_gguf(path.resolve(), stat.st_mtime_ns, stat.st_size)
     if path.is_dir():
         path = path / "config.json"
         if not path.is_file():
@@ -115,7 +117,10 @@ def _from_hf_config(path: Path) -> ModelSpec:
     return ModelSpec(config, "config.json", str(path), default_precision=dtype)
 
 
-def _from_gguf(path: Path) -> ModelSpec:
+@cache
+def _from_gguf(path: Path, mtime_ns: int, size: int) -> ModelSpec:
+    """Metadata of a GGUF file (cached per path and version: GGUFReader parses every tokenizer string,
+    which takes seconds for a 49k-token vocabulary)."""
     import gguf  # numpy-backed reader; imported here so `tokenfactory --help` stays light
 
     reader = gguf.GGUFReader(str(path))

