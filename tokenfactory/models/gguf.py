@@ -5,6 +5,9 @@ string of the vocabulary and merges (~98k for SmolLM2) and spends ~2.5 s on the 
 single weight is read; this parser reads the same header in ~0.1 s (tests check that both agree). The
 `gguf` package still supplies the type tables and the dequantization (`gguf.quants.dequantize`).
 
+Three parts that read the same metadata, hence the length (~600 lines): the header parser, the model
+(config, tensor names, Q/K un-permutation, RoPE scaling) and the tokenizer rebuilt from tokenizer.ggml.*.
+
 Layout (spec: github.com/ggml-org/ggml/blob/master/docs/gguf.md), little-endian:
 
     magic "GGUF" | version u32 | n_tensors u64 | n_kv u64
@@ -154,6 +157,8 @@ class _HeaderReader:
         return self.take(self.scalar("Q")).decode("utf-8", errors="replace")
 
     def value(self, type_id: int) -> object:
+        if type_id not in GGUFValueType._value2member_map_:
+            raise ValueError(f"{self.path}: unknown GGUF metadata value type {type_id} at byte {self.pos}")
         value_type = GGUFValueType(type_id)
         if value_type == GGUFValueType.STRING:
             return self.string()

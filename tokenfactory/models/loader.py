@@ -76,6 +76,9 @@ def load_model(path: str | Path | None = None) -> LoadedModel:
     model_format = detect_format(resolved)
     start = time.perf_counter()
     loaded = _FORMAT_TO_LOADER[model_format](resolved)
+    if loaded.tokenizer.vocab_size > loaded.config.vocab_size:
+        raise ValueError(f"{resolved}: the tokenizer has {loaded.tokenizer.vocab_size} tokens but the embedding "
+                         f"only {loaded.config.vocab_size} rows")
     if loaded.config.sliding_window is not None:
         logger.warning("%s: sliding-window attention (window %d tokens) is not supported yet; the engine "
                        "attends to the full context, so outputs differ from the reference once a sequence "
