@@ -69,6 +69,8 @@ def test_tpot_slo_caps_the_batch(catalog):
     assert slo.effective_batch < free.effective_batch
     assert slo.serving.seconds <= 0.015
     assert "TPOT SLO" in slo.notes[0]
+    assert slo.alternatives and all(a.batch_size / a.tokens_per_s <= 0.015 for a in slo.alternatives)
+    assert any(a.batch_size / a.tokens_per_s > 0.015 for a in free.alternatives)
 
 
 def test_measured_speed_overrides_the_model(catalog):

@@ -70,7 +70,7 @@ class PlanRequest:
 class Alternative:
     device: str
     cards: int
-    fits: bool
+    batch_size: int
     tokens_per_s: float
     rent_usd_per_mtok: float | None
     joules_per_token: float
@@ -180,8 +180,8 @@ def min_cards(request: PlanRequest, device: Device, catalog: Catalog) -> tuple[H
 
 
 def compare_devices(request: PlanRequest, catalog: Catalog) -> list[Alternative]:
-    """Every catalog device (smallest group that fits), at the request's concurrency and workload,
-    cheapest rented $/Mtok first."""
+    """Every catalog device (smallest group that fits), at the request's concurrency (capped by its KV
+    cache and the TPOT SLO) and workload, cheapest rented $/Mtok first."""
     out = []
     wl = request.workload
     weights = resolve_weights(request.model, request.precision)
@@ -191,13 +191,16 @@ def compare_devices(request: PlanRequest, catalog: Catalog) -> list[Alternative]
         if found is None:
             continue
         hw, mem = found
+        steps = StepModel(hw, request.model, weights, kv_bytes)
         batch = min(request.concurrency, mem.max_seqs(wl.prompt_tokens + wl.output_tokens))
+        if request.slo.tpot_s is not None:
+            batch = steps.max_batch_within(request.slo.tpot_s, wl, batch)
         if batch < 1:
             continue
-        step = StepModel(hw, request.model, weights, kv_bytes).serving(batch, wl)
+        step = steps.serving(batch, wl)
         rent = device.rent_usd_per_hour.value if device.rent_usd_per_hour else None
         prices = request.prices
         per_mtok = (rent * hw.count / (step.tokens_per_s * 3600 * prices.utilisation / 1e6)
                     if rent is not None else None)
-        out.append(Alternative(device.name, hw.count, True, step.tokens_per_s, per_mtok, step.joules_per_token))
+        out.append(Alternative(device.name, hw.count, batch, step.tokens_per_s, per_mtok, step.joules_per_token))
     return sorted(out, key=lambda a: (a.rent_usd_per_mtok is None, a.rent_usd_per_mtok or 0.0))

@@ -110,7 +110,7 @@ def _alternatives(plan: Plan) -> str:
         return ""
     lines = ["Other cards (smallest tensor-parallel group that fits, default factors, rented)"]
     for a in rows:
-        lines.append(f"  {a.cards} x {a.device:<18} {count(a.tokens_per_s):>9} tokens/s  "
+        lines.append(f"  {a.cards} x {a.device:<18} batch {a.batch_size:<5} {count(a.tokens_per_s):>9} tokens/s  "
                      f"{usd(a.rent_usd_per_mtok or 0):>8}/M tokens  {a.joules_per_token:.3f} J/token")
     return "\n".join(lines)
 
