@@ -186,6 +186,13 @@ def test_rising_joules_per_token():
     assert "at 610 W" in f.message
 
 
+def test_rising_joules_per_token_from_the_gauge_alone():
+    before = {**HEALTHY, "energy": {}, "jpt": {"rapl": 0.08}}
+    findings = _diagnose(before, _after(before, d_gen=1_000, d_prompt=500, jpt={"rapl": 0.2}))
+    f = _only(findings, "Energy per output token rose from 0.080 J to 0.200 J (rapl)")
+    assert f.evidence["joules_per_token_window"] == pytest.approx(0.2)
+
+
 def test_unreachable_url_is_a_clear_message():
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))

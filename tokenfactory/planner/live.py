@@ -204,28 +204,41 @@ def prefix_hit_rate_falling(w: Window) -> list[Finding]:
                     {"hit_rate_before": then, "hit_rate_window": now, "window_s": w.seconds})]
 
 
+def _joules_per_token(w: Window, labels: dict[str, str]) -> tuple[float, float] | None:
+    """(J/token before the window, J/token in it) from the energy counter, else from the
+    joules_per_output_token gauge read at both ends."""
+    if w.before is None:
+        return None
+    gen = w.delta("generation_tokens_total")
+    joules = w.delta("energy_joules_total", **labels)
+    joules_then = w.before.value("energy_joules_total", **labels)
+    tokens_then = w.before.value("generation_tokens_total")
+    if joules and gen and joules_then is not None and tokens_then:
+        return joules_then / tokens_then, joules / gen
+    then, now = w.before.value("joules_per_output_token", **labels), w.gauge("joules_per_output_token", **labels)
+    return (then, now) if then and now is not None else None
+
+
 def joules_rising(w: Window) -> list[Finding]:
     out = []
-    for source in w.after.label_values("energy_joules_total", "source") or [""]:
+    sources = (w.after.label_values("energy_joules_total", "source")
+               or w.after.label_values("joules_per_output_token", "source") or [""])
+    for source in sources:
         labels = {"source": source} if source else {}
-        now = w.delta("energy_joules_total", **labels)
-        gen = w.delta("generation_tokens_total")
-        then = None
-        if w.before is not None:
-            joules, tokens = w.before.value("energy_joules_total", **labels), w.before.value("generation_tokens_total")
-            then = joules / tokens if joules is not None and tokens else None
-        if not now or not gen or then is None or now / gen < JOULES_RISE * then:
+        pair = _joules_per_token(w, labels)
+        if pair is None or pair[1] < JOULES_RISE * pair[0]:
             continue
+        then, now = pair
         watts = w.gauge("power_watts", **labels)
         running = w.gauge("num_requests_running")
-        out.append(Finding("warning", f"Energy per output token rose from {then:.3f} J to {now / gen:.3f} J "
+        out.append(Finding("warning", f"Energy per output token rose from {then:.3f} J to {now:.3f} J "
                            f"({source or 'all sources'}) over the last {w.seconds:.0f} s"
                            + (f" at {count(watts)} W" if watts is not None else "")
                            + (f" with {count(running)} sequences running" if running is not None else "")
                            + ": fewer tokens per step (a smaller batch), more prefill or preemption work per "
                            "output token, or a hotter card. Raise the batch occupancy and check the prefill and "
                            "preemption findings.",
-                           {"joules_per_token_before": then, "joules_per_token_window": now / gen,
+                           {"joules_per_token_before": then, "joules_per_token_window": now,
                             "power_w": watts or 0.0}))
     return out
 
