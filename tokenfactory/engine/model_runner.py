@@ -51,9 +51,11 @@ class ModelRunner:
         model.rotary = Rotary(model_config, max_model_len).to(device)
         self.model: LlamaForCausalLM = model
         shape = (num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
-        # Zeroed, not empty: padded block-table entries are read (then masked), and NaN * 0 is NaN.
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
-                           torch.zeros(shape, dtype=dtype, device=device))
+        # Padded block-table entries are read (then masked), and NaN * 0 is NaN, so the cache must hold
+        # finite values. A fresh large CPU allocation is mmap'ed zero pages, touched lazily (allocating
+        # 2 GiB with torch.zeros costs seconds at start-up); GPU memory must be zeroed explicitly.
+        alloc = torch.zeros if device.type == "cuda" else torch.empty
+        self.kv_caches = [(alloc(shape, dtype=dtype, device=device), alloc(shape, dtype=dtype, device=device))
                           for _ in range(model_config.num_layers)]
 
     @property
