@@ -118,6 +118,18 @@ def test_calibration_recovers_known_factors(tmp_path, catalog, shape):
     assert hw.efficiency.bandwidth == pytest.approx(cal.efficiency.bandwidth, abs=1e-3)  # 3 decimals
 
 
+def test_calibration_reads_bench_figures_spellings(tmp_path):
+    path = tmp_path / "fig.json"
+    path.write_text(json.dumps({"config": {"device": "L40S", "model": "Qwen2.5-7B", "concurrency": 64,
+                                           "input_len": 300, "output_len": 120},
+                                "figures": {"output_throughput": 900.0, "mean_concurrency": 47.6,
+                                            "avg_power_w": 310.0}}))
+    result = load_bench_result(path)
+    (point,) = result.points
+    assert (point.batch_size, point.output_tokens_per_s, point.power_w) == (48, 900.0, 310.0)
+    assert (result.prompt_tokens, result.output_tokens) == (300, 120)
+
+
 def test_calibration_keeps_what_batch_one_cannot_identify(tmp_path, catalog):
     path = tmp_path / "b1.json"
     path.write_text(json.dumps({"device": "A100-80GB", "model": "Llama-2-7B", "dtype": "bf16",

@@ -7,9 +7,10 @@ The file (written by `tokenfactory bench`, or by hand) is JSON:
      "results": [{"batch_size": 1, "output_tokens_per_s": 95.0, "power_w": 420.0},
                  {"batch_size": 64, "output_tokens_per_s": 4100.0, "joules_per_output_token": 0.14}]}
 
-`batch_size` may be called `concurrency` or `max_num_seqs`; `output_tokens_per_s` may be
-`output_throughput`; a result may carry its own `prompt_tokens`/`output_tokens`. Power is optional
-(`power_w`, or `joules_per_output_token`, from which power = J/token * tokens/s). A file with
+`batch_size` may be called `mean_concurrency` (measured, preferred), `concurrency` or `max_num_seqs`;
+`output_tokens_per_s` may be `output_throughput`; a result may carry its own `prompt_tokens`/
+`output_tokens` (or `input_len`/`output_len`). Power is optional (`power_w` or `avg_power_w`, or
+`joules_per_output_token`, from which power = J/token * tokens/s). A file with
 `config` and `figures` keys is read too: `config` supplies the top-level fields and `figures` is
 either the `results` list or one result.
 
@@ -32,8 +33,12 @@ from typing import Any
 from tokenfactory.planner.hardware import Efficiency, Hardware, PowerModel
 from tokenfactory.planner.perf import StepModel, Workload
 
-BATCH_KEYS = ("batch_size", "concurrency", "max_num_seqs", "num_seqs")
+# Accepted spellings, first match wins; a row's measured mean concurrency beats the configured limit.
+BATCH_KEYS = ("batch_size", "mean_concurrency", "concurrency", "max_num_seqs", "num_seqs")
 TPS_KEYS = ("output_tokens_per_s", "output_throughput", "output_tokens_per_second", "output_throughput_tokens_per_s")
+POWER_KEYS = ("power_w", "avg_power_w")
+PROMPT_KEYS = ("prompt_tokens", "mean_prompt_tokens", "input_len")
+OUTPUT_KEYS = ("output_tokens", "mean_output_tokens", "output_len")
 IDENTIFIABLE_SHARE = 0.10
 
 
@@ -85,8 +90,8 @@ def load_bench_result(path: str | Path) -> BenchResult:
     return BenchResult(points=points, device=data.get("device"), num_devices=int(data.get("num_devices", 1)),
                        model=data.get("model"), dtype=data.get("dtype") or data.get("precision"),
                        kv_dtype=str(data.get("kv_dtype") or "auto"),
-                       prompt_tokens=float(data.get("prompt_tokens", 512)),
-                       output_tokens=float(data.get("output_tokens", 256)), path=str(p))
+                       prompt_tokens=float(_first(data, PROMPT_KEYS) or 512),
+                       output_tokens=float(_first(data, OUTPUT_KEYS) or 256), path=str(p))
 
 
 def _first(row: Mapping[str, Any], keys: Sequence[str]) -> Any:
@@ -98,15 +103,16 @@ def _point(row: Any, i: int, path: Path, top: Mapping[str, Any]) -> BenchPoint:
         raise ValueError(f"--calibrate file {path}: results[{i}] must be an object")
     batch = _first(row, BATCH_KEYS) or _first(top, BATCH_KEYS)
     tps = _first(row, TPS_KEYS)
-    if not isinstance(batch, int | float) or batch < 1:
+    if not isinstance(batch, int | float) or batch < 0.5:
         raise ValueError(f"--calibrate file {path}: results[{i}] needs batch_size (or concurrency) >= 1")
     if not isinstance(tps, int | float) or tps <= 0:
         raise ValueError(f"--calibrate file {path}: results[{i}] needs output_tokens_per_s > 0")
-    power = row.get("power_w")
+    power = _first(row, POWER_KEYS)
     if power is None and row.get("joules_per_output_token") is not None:
         power = float(row["joules_per_output_token"]) * float(tps)
-    return BenchPoint(int(batch), float(tps), float(power) if power is not None else None,
-                      row.get("prompt_tokens"), row.get("output_tokens"))
+    prompt, output = _first(row, PROMPT_KEYS), _first(row, OUTPUT_KEYS)
+    return BenchPoint(max(1, round(batch)), float(tps), float(power) if power is not None else None,
+                      float(prompt) if prompt is not None else None, float(output) if output is not None else None)
 
 
 @dataclass(frozen=True)
