@@ -23,12 +23,9 @@ from tests.reference import (
 )
 from tokenfactory.models import loader
 from tokenfactory.models.gguf import llama3_rope_factors, read_gguf, unpermute_rows
-from tokenfactory.models.loader import LoadedModel, bundled_model_path, expected_weight_shapes, load_model
+from tokenfactory.models.loader import bundled_model_path, expected_weight_shapes, load_model
 
-
-@pytest.fixture(scope="module")
-def bundled() -> LoadedModel:
-    return load_model()
+# `bundled` (the bundled model, loaded once per session) comes from tests/conftest.py.
 
 
 # --- the bundled SmolLM2-135M-Instruct Q4_1 ---------------------------------------------------------
