@@ -2,7 +2,11 @@
 
 The step's tokens are one flat batch: first the single-token chunks (decodes), one per sequence, then
 the multi-token chunks (prefills), each a contiguous span. The KV cache of a layer is two tensors of
-shape (num_blocks, block_size, num_kv_heads, head_dim); a token's slot is block_id * block_size + offset.
+shape (num_kv_heads, num_blocks, block_size, head_dim); a token's slot is block_id * block_size + offset.
+
+Why heads first: without a paged-attention kernel, decode gathers each sequence's blocks. With heads
+outermost, `cache[:, block_tables]` is already (nkv, D, L, d) and contiguous, so the gathered keys feed
+the batched matmul directly; with blocks outermost, the gather would need a second, transposing copy.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # (T,) long: where each new token's K and V are written
     num_decode_tokens: int  # the first D rows are single-token chunks
     decode_block_tables: torch.Tensor | None  # (D, max_blocks) long, padded with block 0
-    decode_mask: torch.Tensor | None  # (D, 1, 1, max_blocks * block_size) bool: key j is real
+    decode_mask: torch.Tensor | None  # (D, 1, max_blocks * block_size) bool: key j is real
     prefills: tuple[PrefillSpan, ...]
 
 
@@ -35,8 +39,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """q (T, nh, d), k and v (T, nkv, d) for this step's tokens. Writes k and v into the cache, then
     attends every token to its sequence's cached prefix and itself. Returns (T, nh, d)."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    k_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+    v_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
     if not meta.prefills:
         return _decode_attention(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
@@ -53,34 +57,36 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       meta: AttentionMetadata, scale: float) -> torch.Tensor:
     assert meta.decode_block_tables is not None and meta.decode_mask is not None
     num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
+    num_kv_heads = k_cache.shape[0]
     group = num_heads // num_kv_heads
-    # Gather each sequence's blocks: (D, max_blocks, block_size, nkv, d) -> (D, nkv, L, d)
-    keys = k_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
-    values = v_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
-    # Grouped-query attention without repeating K/V: the heads that share a KV head form the rows.
-    qg = q.view(num_seqs, num_kv_heads, group, head_dim)  # (D, nkv, g, d)
-    scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # (D, nkv, g, L)
-    scores = scores.masked_fill(~meta.decode_mask, float("-inf"))
+    # Gather each sequence's blocks: (nkv, D, max_blocks, block_size, d) -> (nkv, D, L, d), no copy beyond it.
+    keys = k_cache[:, meta.decode_block_tables].flatten(2, 3)
+    values = v_cache[:, meta.decode_block_tables].flatten(2, 3)
+    # Grouped-query attention without repeating K/V: the g query heads sharing a KV head are the rows.
+    qg = q.view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1)  # (nkv, D, g, d)
+    scores = torch.matmul(qg * scale, keys.transpose(-1, -2))  # (nkv, D, g, L)
+    scores.masked_fill_(~meta.decode_mask, float("-inf"))  # mask (D, 1, L) broadcasts over nkv and g
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, values).view(num_seqs, num_heads, head_dim)  # (D, nh, d)
+    out = torch.matmul(probs, values)  # (nkv, D, g, d)
+    return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, span: PrefillSpan, scale: float) -> torch.Tensor:
     n, ctx = span.num_tokens, span.num_context_tokens
     if ctx == 0:
-        keys, values, mask, causal = k, v, None, True  # nothing cached before: use the fresh K/V
+        # Nothing cached before: use the fresh K/V.
+        keys, values, mask, causal = k.transpose(0, 1), v.transpose(0, 1), None, True  # (nkv, n, d)
     else:
         total = ctx + n
-        keys = k_cache[span.block_table].flatten(0, 1)[:total]  # (ctx + n, nkv, d)
-        values = v_cache[span.block_table].flatten(0, 1)[:total]
+        keys = k_cache[:, span.block_table].flatten(1, 2)[:, :total]  # (nkv, ctx + n, d)
+        values = v_cache[:, span.block_table].flatten(1, 2)[:, :total]
         # Query i sits at position ctx + i and sees keys 0..ctx + i.
         rows = torch.arange(n, device=q.device).unsqueeze(1) + ctx
         mask, causal = torch.arange(total, device=q.device).unsqueeze(0) <= rows, False  # (n, total)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),  # (1, nh, n, d)
-        keys.transpose(0, 1).unsqueeze(0),  # (1, nkv, ctx + n, d)
-        values.transpose(0, 1).unsqueeze(0),
+        keys.unsqueeze(0),  # (1, nkv, ctx + n, d)
+        values.unsqueeze(0),
         attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)  # (n, nh, d)

@@ -220,6 +220,8 @@ class LLMEngine:
                                 for t, lp in tok.logprobs])
         if piece:
             st.text += piece
+        if seq.is_finished:
+            st.text += st.stream.flush() or ""  # type: ignore[attr-defined]  # bytes of an unfinished character
         if seq.params.stop and seq.finish_reason is not FinishReason.STOP:
             self._check_stop_strings(st, seq, len(piece or ""))
 

@@ -50,7 +50,7 @@ class ModelRunner:
         # RoPE tables stay float32 whatever the model's dtype (as the reference computes them).
         model.rotary = Rotary(model_config, max_model_len).to(device)
         self.model: LlamaForCausalLM = model
-        shape = (num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
+        shape = (model_config.num_kv_heads, num_blocks, block_size, model_config.head_dim)
         # Padded block-table entries are read (then masked), and NaN * 0 is NaN, so the cache must hold
         # finite values. A fresh large CPU allocation is mmap'ed zero pages, touched lazily (allocating
         # 2 GiB with torch.zeros costs seconds at start-up); GPU memory must be zeroed explicitly.
@@ -122,7 +122,7 @@ class ModelRunner:
             return None
         width = max(len(t) for t in tables) * self.block_size
         keys = torch.arange(width, device=self.device).unsqueeze(0)
-        return (keys < torch.tensor(lens, device=self.device).unsqueeze(1)).view(len(lens), 1, 1, width)
+        return (keys < torch.tensor(lens, device=self.device).unsqueeze(1)).view(len(lens), 1, width)
 
     @torch.inference_mode()
     def run(self, inputs: ModelInputs) -> list[tuple[Sequence, SampledToken]]:

@@ -4,7 +4,7 @@ whatever else shares its batch.
 
 Order of operations per row (as in vLLM): penalties -> min_tokens mask -> (logprobs taken here) ->
 temperature -> top-k -> top-p -> min-p -> sample. Greedy rows take the argmax after the penalties.
-Sampling uses the exponential race: argmax(p / q) with q ~ Exp(1) draws from p (the Gumbel-max trick).
+Sampling draws one uniform per row from the row's generator and inverts the row's CDF.
 """
 
 from __future__ import annotations
@@ -113,14 +113,15 @@ class Sampler:
         if any(m > 0 for m in batch.min_ps):
             min_ps = torch.tensor(batch.min_ps, dtype=probs.dtype, device=probs.device).unsqueeze(1)
             probs = probs.masked_fill(probs < min_ps * probs.amax(dim=-1, keepdim=True), 0.0)
-        token_ids = []
-        for row, (temp, g) in enumerate(zip(batch.temperatures, batch.generators, strict=True)):
-            if temp < 1e-5:
-                token_ids.append(greedy_ids[row])
-                continue
-            q = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=g)
-            token_ids.append(int((probs[row].cpu() / q).argmax()))
-        return token_ids
+        # Inverse-CDF sampling: one uniform draw per row from the row's own generator (so a seeded row is
+        # reproducible whatever shares its batch), then one batched cumsum + searchsorted over (S, V).
+        # A zero-probability token owns an empty CDF interval, so it can never be drawn.
+        uniforms = torch.tensor([float(torch.rand(1, generator=g)) for g in batch.generators],
+                                dtype=torch.float64)  # (S,)
+        cdf = probs.double().cumsum(dim=-1)  # (S, V)
+        targets = (uniforms.to(cdf.device) * cdf[:, -1]).unsqueeze(1)  # (S, 1)
+        sampled = torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1).tolist()
+        return [greedy_ids[row] if temp < 1e-5 else sampled[row] for row, temp in enumerate(batch.temperatures)]
 
 
 def apply_penalties(row_logits: torch.Tensor, pen: RowPenalty) -> None:

@@ -1,0 +1,220 @@
+"""Quantized weights as plain data: the int8 and int4 formats, quantizing float weights into them, and
+mapping GGUF's Q8_0 / Q4_0 / Q4_1 blocks onto them without a round trip through float.
+
+Two canonical formats, device-independent, whatever kernel later runs them (quant.py packs them for one):
+
+    Int8Weight   w[n, k] = q[n, k] * scale[n, k // group]            q int8 in [-128, 127]
+    Int4Weight   w[n, k] = q[n, k] * scale[n, k // group] + min[n, k // group]     q uint8 in [0, 15]
+
+`group == K` is per-output-channel (our "int8" scheme); GGUF blocks are groups of 32 along a row.
+Scales and mins are float32, which holds every float16 GGUF scale exactly, so a mapped block dequantizes
+to the very bits `gguf.quants.dequantize` gives (tests/test_quant_formats.py proves it per type).
+
+Our own quantizers pick scales (and int4 zero points) that are exact in bfloat16, because the packed CPU
+kernels take bfloat16 scales: what the kernel multiplies by is then exactly what the format says. GGUF's
+float16 scales are not all exact in bfloat16; the kernel rounds them (relative error <= 2^-9, far below
+the 4-bit step), while the dense path (dequantize-then-matmul) uses them exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+INT4_GROUP_SIZES = (32, 64, 128)
+GGUF_BLOCK = 32  # elements per Q8_0 / Q4_0 / Q4_1 block
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """w[n, k] = q[n, k] * scale[n, k // group_size]; group_size == K is one scale per output channel."""
+
+    q: torch.Tensor  # (N, K) int8
+    scale: torch.Tensor  # (N, K // group_size) float32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)  # type: ignore[return-value]
+
+    @property
+    def group_size(self) -> int:
+        return self.q.shape[1] // self.scale.shape[1]
+
+    @property
+    def format_name(self) -> str:
+        return "int8" if self.scale.shape[1] == 1 else f"int8-g{self.group_size}"
+
+    def dequantize(self) -> torch.Tensor:
+        """(N, K) float32."""
+        n, k = self.shape
+        groups = self.q.view(n, -1, self.group_size).float()  # (N, K/g, g)
+        return (groups * self.scale.unsqueeze(-1)).view(n, k)
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    """w[n, k] = q[n, k] * scale[n, g] + min[n, g] with g = k // group_size and q in [0, 15] (GGUF Q4_1's
+    form; Q4_0's d * (q - 8) is min = -8d). Torch's int4 kernels want (q - 8) * scale + zero, i.e.
+    zero = min + 8 * scale, computed when packing."""
+
+    q: torch.Tensor  # (N, K) uint8 in [0, 15], one code per byte (packed only on disk and in kernels)
+    scale: torch.Tensor  # (N, K // group_size) float32
+    min: torch.Tensor  # (N, K // group_size) float32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)  # type: ignore[return-value]
+
+    @property
+    def group_size(self) -> int:
+        return self.q.shape[1] // self.scale.shape[1]
+
+    @property
+    def format_name(self) -> str:
+        return f"int4-g{self.group_size}"
+
+    def dequantize(self) -> torch.Tensor:
+        """(N, K) float32."""
+        n, k = self.shape
+        groups = self.q.view(n, -1, self.group_size).float()  # (N, K/g, g)
+        return (groups * self.scale.unsqueeze(-1) + self.min.unsqueeze(-1)).view(n, k)
+
+
+QuantizedWeight = Int8Weight | Int4Weight
+
+
+def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
+    """Stack weights along output rows (q/k/v -> qkv, gate/up -> gate_up); None if their formats differ
+    (a fused layer needs one format: GGUF K-quant files mix types within a layer)."""
+    first = parts[0]
+    if any(type(p) is not type(first) or p.group_size != first.group_size or p.shape[1] != first.shape[1]
+           for p in parts):
+        return None
+    if isinstance(first, Int8Weight):
+        return Int8Weight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+    return Int4Weight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                      torch.cat([p.min for p in parts]))  # type: ignore[union-attr]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Quantizing float weights (round to nearest; scales exact in bfloat16, see the module docstring)
+
+
+def round_up_to_bf16(x: torch.Tensor) -> torch.Tensor:
+    """The smallest bfloat16 value >= x (elementwise, for x >= 0), as float32: a scale rounded up so that
+    the largest weight still fits the integer range."""
+    down = x.to(torch.bfloat16).float()
+    up = torch.nextafter(down.to(torch.bfloat16), torch.tensor(math.inf, dtype=torch.bfloat16)).float()
+    return torch.where(down >= x, down, up)
+
+
+def quantize_int8(w: torch.Tensor) -> Int8Weight:
+    """Symmetric per-output-channel int8: scale = max|w[n]| / 127 (rounded up to bfloat16)."""
+    w = w.float()
+    scale = round_up_to_bf16(w.abs().amax(dim=1, keepdim=True) / 127).clamp_min(torch.finfo(torch.bfloat16).tiny)
+    q = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
+    return Int8Weight(q, scale)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int, name: str = "weight") -> Int4Weight:
+    """Asymmetric group-wise int4 (gpt-fast's min/max scheme): scale = (max - min) / 15 per group of
+    `group_size` inputs, zero point z = min + 8 * scale; scale and z are bfloat16 values so the packed
+    kernel's (q - 8) * scale + z reproduces the format exactly."""
+    w = w.float()
+    n, k = w.shape
+    check_group_size(group_size, k, name)
+    groups = w.view(n, k // group_size, group_size)  # (N, K/g, g)
+    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
+    scale = round_up_to_bf16((hi - lo) / 15).clamp_min(torch.finfo(torch.bfloat16).tiny)
+    zero = (lo + 8 * scale).to(torch.bfloat16).float()
+    q = torch.round((groups - zero.unsqueeze(-1)) / scale.unsqueeze(-1) + 8).clamp(0, 15).to(torch.uint8)
+    return Int4Weight(q.view(n, k), scale, zero - 8 * scale)  # min = z - 8s: exact in float32
+
+
+def check_group_size(group_size: int, num_inputs: int, name: str) -> None:
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 group size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, "
+                         f"got {group_size}")
+    if num_inputs % group_size:
+        raise ValueError(f"int4 group size {group_size} does not divide the {num_inputs} inputs of {name}; "
+                         f"pick a group size that divides every layer's input size "
+                         f"({', '.join(str(g) for g in INT4_GROUP_SIZES if num_inputs % g == 0) or 'none'} "
+                         f"would here)")
+
+
+# ---------------------------------------------------------------------------------------------------
+# GGUF blocks -> our formats: integer codes copied, float16 scales widened to float32 (exact)
+#
+# Block layouts (ggml-common.h), 32 weights each, little-endian float16 d (and m):
+#   Q8_0: d | qs[32] int8                     w = d * q
+#   Q4_0: d | qs[16], weight j < 16 in the low nibble of qs[j], weight j + 16 in its high nibble
+#                                             w = d * (q - 8)
+#   Q4_1: d | m | qs[16] (nibbles as Q4_0)    w = d * q + m
+
+
+def _split_blocks(blocks: np.ndarray, shape: tuple[int, ...], block_bytes: int) -> np.ndarray:
+    n, k = shape
+    return np.ascontiguousarray(blocks).reshape(n, k // GGUF_BLOCK, block_bytes)  # (N, K/32, bytes)
+
+
+def _fp16(field: np.ndarray) -> torch.Tensor:
+    """(N, nb, 2) uint8 -> (N, nb) float32, the float16 values widened exactly."""
+    return torch.from_numpy(np.ascontiguousarray(field).view(np.float16)[..., 0].astype(np.float32))
+
+
+def _nibbles(qs: np.ndarray) -> torch.Tensor:
+    """(N, nb, 16) uint8 -> (N, nb * 32) uint8 codes in weight order (low nibbles, then high)."""
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # (N, nb, 32)
+    return torch.from_numpy(codes.reshape(qs.shape[0], -1))
+
+
+def q8_0_to_int8(blocks: np.ndarray, shape: tuple[int, ...]) -> Int8Weight:
+    b = _split_blocks(blocks, shape, 34)
+    q = torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(shape[0], -1))
+    return Int8Weight(q, _fp16(b[..., :2]))
+
+
+def q4_0_to_int4(blocks: np.ndarray, shape: tuple[int, ...]) -> Int4Weight:
+    b = _split_blocks(blocks, shape, 18)
+    d = _fp16(b[..., :2])
+    return Int4Weight(_nibbles(b[..., 2:]), d, -8 * d)
+
+
+def q4_1_to_int4(blocks: np.ndarray, shape: tuple[int, ...]) -> Int4Weight:
+    b = _split_blocks(blocks, shape, 20)
+    return Int4Weight(_nibbles(b[..., 4:]), _fp16(b[..., :2]), _fp16(b[..., 2:4]))
+
+
+# ggml type name -> exact mapping. Other types (K-quants, IQ*, ...) have no exact counterpart here: they
+# stay dequantized, or are requantized when a scheme is asked for.
+GGUF_TYPE_TO_FORMAT: dict[str, Callable[[np.ndarray, tuple[int, ...]], QuantizedWeight]] = {
+    "Q8_0": q8_0_to_int8,
+    "Q4_0": q4_0_to_int4,
+    "Q4_1": q4_1_to_int4,
+}
+
+
+def from_gguf_blocks(type_name: str, blocks: np.ndarray, shape: tuple[int, ...]) -> QuantizedWeight | None:
+    """Our format for a GGUF matrix stored as `type_name`, or None if there is no exact mapping."""
+    convert = GGUF_TYPE_TO_FORMAT.get(type_name)
+    if convert is None or len(shape) != 2 or shape[1] % GGUF_BLOCK:
+        return None
+    return convert(blocks, shape)
+
+
+# ---------------------------------------------------------------------------------------------------
+# On disk (safetensors): int4 codes two per byte, low nibble first
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) codes in [0, 15] -> (N, K/2) uint8, code 2j in the low nibble of byte j."""
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """(N, K/2) uint8 -> (N, K) codes."""
+    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).view(packed.shape[0], -1)
