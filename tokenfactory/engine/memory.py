@@ -76,16 +76,21 @@ def free_memory_bytes(device: torch.device) -> int:
     return psutil.virtual_memory().available
 
 
+def kv_budget_bytes(budget: int | float | None, device: torch.device) -> int:
+    """The KV cache's bytes: given, a fraction of free memory, or the device's default."""
+    if isinstance(budget, int):
+        return budget
+    free = free_memory_bytes(device)
+    if isinstance(budget, float):
+        return int(free * budget)
+    default = int(free * DEFAULT_FRACTION[device.type])
+    return min(default, DEFAULT_CPU_CAP_BYTES) if device.type == "cpu" else default
+
+
 def plan_kv_cache(model: ModelConfig, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> KVCapacity:
     dtype_bytes = torch.tensor([], dtype=dtype).element_size()
     per_token = model.kv_bytes_per_token(dtype_bytes)
-    budget = config.kv_cache_memory
-    if budget is None:
-        budget = int(free_memory_bytes(device) * DEFAULT_FRACTION[device.type])
-        if device.type == "cpu":
-            budget = min(budget, DEFAULT_CPU_CAP_BYTES)
-    elif isinstance(budget, float):
-        budget = int(free_memory_bytes(device) * budget)
+    budget = kv_budget_bytes(config.kv_cache_memory, device)
     num_blocks = budget // (per_token * config.block_size)
     if num_blocks < 1:
         raise ParameterError("kv_cache_memory", f"kv_cache_memory of {budget} bytes holds no KV block: one block of "

@@ -7,12 +7,13 @@ Every error leaves in OpenAI's shape {"error": {"message", "type", "param", "cod
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenfactory.engine.async_engine import AddRequest, AsyncEngine, EngineDeadError
+from tokenfactory.gateway.accounting import Accounting
 from tokenfactory.gateway.metrics import ServerMetrics
 from tokenfactory.gateway.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from tokenfactory.gateway.render import Choice, render_chat, render_completion, usage_dict
@@ -33,7 +35,6 @@ class ServerSettings:
     max_waiting: int = 256  # requests queued beyond this are refused with 503
     max_body_bytes: int = 4 << 20
     retry_after_s: int = 2
-    hooks: list[Callable[[RequestOutput, str], Awaitable[dict]]] = field(default_factory=list)
 
 
 class APIError(Exception):
@@ -78,9 +79,11 @@ class BodySizeLimit:
         await self.app(scope, counting_receive, send)
 
 
-def build_app(engine: AsyncEngine, settings: ServerSettings, on_shutdown: Callable[[], None] | None = None) -> FastAPI:
-    metrics = ServerMetrics(engine.engine, settings.served_model_name, lambda: engine.num_waiting)
-    handler = Handler(engine, settings, metrics)
+def build_app(engine: AsyncEngine, settings: ServerSettings, accounting: Accounting | None = None,
+              on_shutdown: Callable[[], None] | None = None) -> FastAPI:
+    metrics = ServerMetrics(engine.engine, settings.served_model_name, lambda: engine.num_waiting,
+                            accounting.meter if accounting else None)
+    handler = Handler(engine, settings, metrics, accounting)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -110,6 +113,12 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, on_shutdown: Callab
         return {"object": "list", "data": [{
             "id": settings.served_model_name, "object": "model", "created": int(handler.started),
             "owned_by": "tokenfactory", "root": e.model_path, "max_model_len": e.max_model_len}]}
+
+    @app.get("/v1/usage")
+    async def usage(since: str | None = None, group_by: str | None = None) -> dict:
+        if accounting is None:
+            raise APIError(404, "usage is not recorded by this server (it runs without a ledger)", "not_found_error")
+        return await handler.usage(since, group_by)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -176,8 +185,10 @@ class Prepared:
 
 
 class Handler:
-    def __init__(self, engine: AsyncEngine, settings: ServerSettings, metrics: ServerMetrics) -> None:
-        self.engine, self.settings, self.metrics = engine, settings, metrics
+    def __init__(self, engine: AsyncEngine, settings: ServerSettings, metrics: ServerMetrics,
+                 accounting: Accounting | None = None) -> None:
+        self.engine, self.settings, self.metrics, self.accounting = engine, settings, metrics, accounting
+        self.background: set[asyncio.Task] = set()
         self.started = time.time()
         self.last_output_time: dict[str, float] = {}
 
@@ -266,29 +277,52 @@ class Handler:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(self.stream(adds, request_id, render, include_usage, echo),
                                      media_type="text/event-stream")
-        finals = await self.collect(adds, request)
+        latest: dict[int, RequestOutput] = {}
+        try:
+            finals = await self.collect(adds, request, latest)
+        except BaseException as e:
+            status = "failed" if isinstance(e, (APIError, EngineDeadError)) else "aborted"
+            self.settle_later(request_id, adds, [latest.get(i) for i in range(len(adds))], status)
+            raise
         choices = []
         for i, out in enumerate(finals):
             n = len(out.outputs)
             for c in out.outputs:
                 prefix = (out.prompt or "") if echo else ""
                 choices.append(Choice(i * n + c.index, prefix + c.text, c.finish_reason, c.logprobs))
+        extra = await self.settle(request_id, adds, finals, "finished")
         return JSONResponse(render.full(request_id, self.settings.served_model_name, choices,
-                                        usage_dict(finals, await self.extra_usage(finals, request_id))))
+                                        usage_dict(finals, extra)))
 
-    async def collect(self, adds: list[AddRequest], request: Request) -> list[RequestOutput]:
+    async def settle(self, request_id: str, adds: list[AddRequest], finals: list[RequestOutput | None],
+                     status: str) -> dict:
+        """Meter and ledger for the request; awaited before the response's last byte."""
+        if self.accounting is None:
+            return {}
+        return await self.accounting.settle(request_id, [a.request_id for a in adds], finals, status,
+                                            tenant=adds[0].tenant)
+
+    def settle_later(self, request_id: str, adds: list[AddRequest], finals: list[RequestOutput | None],
+                     status: str) -> None:
+        """For requests that ended without a response (client gone, failure): record them all the same."""
+        task = asyncio.ensure_future(self.settle(request_id, adds, finals, status))
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def collect(self, adds: list[AddRequest], request: Request,
+                      latest: dict[int, RequestOutput]) -> list[RequestOutput]:
         """Run each prompt to the end; if the client disconnects first, abort them all."""
-        async def one(add: AddRequest) -> RequestOutput:
+        async def one(i: int, add: AddRequest) -> RequestOutput:
             final = None
             try:
                 async for out in self.engine.generate(add):
-                    final = self.observe(out, final)
+                    final = latest[i] = self.observe(out, final)
             finally:
                 self.last_output_time.pop(add.request_id, None)
             assert final is not None
             return final
 
-        tasks = [asyncio.ensure_future(one(a)) for a in adds]
+        tasks = [asyncio.ensure_future(one(i, a)) for i, a in enumerate(adds)]
         gathered = asyncio.gather(*tasks)
         try:
             while True:
@@ -300,6 +334,20 @@ class Handler:
         finally:
             for t in tasks:
                 t.cancel()
+
+    async def usage(self, since: str | None, group_by: str | None) -> dict:
+        from tokenfactory.meter.cli import parse_since
+
+        assert self.accounting is not None
+        if group_by not in (None, "day", "tenant", "model"):
+            raise ParameterError("group_by", f"group_by must be day, tenant or model, got {group_by!r}")
+        try:
+            since_dt = parse_since(since) if since else None
+        except ValueError as e:
+            raise ParameterError("since", str(e)) from e
+        rows = await asyncio.to_thread(self.accounting.ledger.totals, since=since_dt, group_by=group_by)
+        return {"object": "usage", "group_by": group_by, "since": since,
+                "data": [dataclasses.asdict(r) for r in rows]}
 
     def unwrap(self, gathered: asyncio.Future) -> list[RequestOutput]:
         try:
@@ -333,15 +381,6 @@ class Handler:
         for c in out.outputs:
             self.metrics.success.labels(name, str(c.finish_reason)).inc()
 
-    async def extra_usage(self, finals: list[RequestOutput], request_id: str) -> dict:
-        extra: dict = {}
-        for hook in self.settings.hooks:
-            for out in finals:
-                for key, value in (await hook(out, request_id)).items():
-                    extra[key] = value if key not in extra or value is None or extra[key] is None \
-                        else extra[key] + value
-        return extra
-
     async def stream(self, adds: list[AddRequest], request_id: str, render: type, include_usage: bool,
                      echo: bool) -> AsyncIterator[str]:
         model, created = self.settings.served_model_name, int(time.time())
@@ -360,26 +399,34 @@ class Handler:
 
         tasks = [asyncio.ensure_future(pump(i, a)) for i, a in enumerate(adds)]
         finals: dict[int, RequestOutput] = {}
+        latest: dict[int, RequestOutput] = {}
+        settled = failed = False
         try:
             for chunk in render.first_chunks(request_id, model, created, adds, echo):
                 yield sse(chunk, include_usage)
             while len(finals) < len(adds):
                 i, out = await queue.get()
                 if isinstance(out, Exception):
+                    failed = True
                     yield sse({"error": {"message": str(out), "type": "server_error", "param": None, "code": None}})
                     return
+                latest[i] = out
                 for chunk in render.delta_chunks(request_id, model, created, i, out):
                     yield sse(chunk, include_usage)
                 if out.finished:
                     finals[i] = out
+            ordered = [finals[i] for i in sorted(finals)]
+            extra = await self.settle(request_id, adds, ordered, "finished")
+            settled = True
             if include_usage:
-                ordered = [finals[i] for i in sorted(finals)]
-                usage = usage_dict(ordered, await self.extra_usage(ordered, request_id))
-                yield sse(render.usage_chunk(request_id, model, created, usage))
+                yield sse(render.usage_chunk(request_id, model, created, usage_dict(ordered, extra)))
             yield "data: [DONE]\n\n"
         finally:
             for t in tasks:
                 t.cancel()
+            if not settled:
+                self.settle_later(request_id, adds, [finals.get(i, latest.get(i)) for i in range(len(adds))],
+                                  "failed" if failed else "aborted")
 
 
 def sse(chunk: dict, include_usage: bool = False) -> str:

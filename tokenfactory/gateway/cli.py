@@ -7,8 +7,6 @@ import logging
 import re
 import sys
 
-from tokenfactory.types import ParameterError
-
 logger = logging.getLogger("tokenfactory.serve")
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
@@ -56,6 +54,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: the file's name)")
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests beyond this get 503")
     p.add_argument("--max-body-bytes", type=parse_memory, default=4 << 20)
+    p.add_argument("--data-dir", default=None, help="where the ledger lives (default: a per-user directory)")
+    p.add_argument("--database-url", default=None, help="a SQLAlchemy URL instead of SQLite in --data-dir")
+    p.add_argument("--power-source", default="auto",
+                   help="auto, nvml, rapl, modelled, constant (or several joined with '+')")
+    p.add_argument("--power-watts", type=float, default=None, help="watts for --power-source constant")
+    p.add_argument("--cpu-tdp-watts", type=float, default=None, help="TDP for the modelled source")
+    p.add_argument("--prices", default=None, help="a prices TOML file merged over the dated defaults")
+    p.add_argument("--device-profile", default=None, help="the prices file's device profile (default: matched)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=serve)
 
@@ -69,26 +75,77 @@ def served_name(model_path: str, explicit: str | None) -> str:
     return re.sub(r"\.(Q\d\w*|F16|F32|BF16)?\.?gguf$", "", name, flags=re.IGNORECASE).rstrip(".") or name
 
 
+def build_engine(args: argparse.Namespace):  # noqa: ANN201 - LLMEngine, imported lazily
+    """Load the model, check it fits (the doctor's pre-flight), then build the engine."""
+    from tokenfactory.engine.engine import LLMEngine
+    from tokenfactory.engine.memory import free_memory_bytes, kv_budget_bytes, resolve_device, resolve_dtype
+    from tokenfactory.models.loader import load_model
+    from tokenfactory.planner.doctor import preflight, raise_on_errors
+
+    config = engine_config_from_args(args)
+    loaded = load_model(config.model)
+    device = resolve_device(config.device)
+    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[str(resolve_dtype(config.dtype, device))[6:]]
+    free = free_memory_bytes(device)
+    findings = preflight(loaded.config, device=str(device), dtype_bytes=dtype_bytes,
+                         max_model_len=config.max_model_len or loaded.config.max_position_embeddings,
+                         kv_cache_bytes=kv_budget_bytes(config.kv_cache_memory, device), free_memory_bytes=free,
+                         max_num_seqs=config.max_num_seqs)
+    for finding in findings:
+        if finding.severity != "error":
+            logger.info("pre-flight: %s", finding.message)
+    raise_on_errors(findings)
+    return LLMEngine(config, loaded)
+
+
+def build_accounting(args: argparse.Namespace, engine, name: str):  # noqa: ANN001, ANN201
+    from pathlib import Path
+
+    from tokenfactory.gateway.accounting import Accounting
+    from tokenfactory.meter.attribution import Meter
+    from tokenfactory.meter.ledger import Ledger
+    from tokenfactory.meter.power import PowerConfig
+    from tokenfactory.meter.prices import load_prices
+    from tokenfactory.meter.sources import choose_power_source
+
+    choice = choose_power_source(PowerConfig(source=args.power_source, constant_watts=args.power_watts,
+                                             cpu_tdp_watts=args.cpu_tdp_watts))
+    for reason in choice.skipped:
+        logger.info("power: %s", reason)
+    prices = load_prices(Path(args.prices) if args.prices else None, device=args.device_profile,
+                         device_name=None if engine.device.type == "cpu" else "cuda")
+    meter = Meter(choice.source, engine.model_config, prices).start()
+    engine.step_listeners.append(meter.on_step)
+    ledger = Ledger.open(args.data_dir, url=args.database_url)
+    return Accounting(meter, ledger, name), choice.source.describe(), prices.describe()
+
+
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvicorn
 
     from tokenfactory.engine.async_engine import AsyncEngine
-    from tokenfactory.engine.engine import LLMEngine
     from tokenfactory.gateway.app import ServerSettings, build_app
 
     try:
-        engine = LLMEngine(engine_config_from_args(args))
-    except (ParameterError, ValueError, FileNotFoundError) as e:
+        engine = build_engine(args)
+        engine.warmup()
+        name = served_name(engine.model_path, args.served_model_name)
+        accounting, power, prices = build_accounting(args, engine, name)
+    except (ValueError, FileNotFoundError, OSError) as e:
         print(f"tokenfactory serve: cannot start: {e}", file=sys.stderr)
         return 2
-    engine.warmup()
-    name = served_name(engine.model_path, args.served_model_name)
     async_engine = AsyncEngine(engine)
     async_engine.start()
+
+    def shutdown() -> None:
+        async_engine.shutdown()
+        accounting.meter.close()
+        accounting.ledger.close()
+
     settings = ServerSettings(served_model_name=name, max_waiting=args.max_waiting,
                               max_body_bytes=int(args.max_body_bytes))
-    app = build_app(async_engine, settings, on_shutdown=async_engine.shutdown)
+    app = build_app(async_engine, settings, accounting, on_shutdown=shutdown)
     cap = engine.capacity
     print(f"tokenfactory serving {name}\n"
           f"  model   {engine.model_path}\n"
@@ -96,6 +153,9 @@ def serve(args: argparse.Namespace) -> int:
           f"{engine.runner.weight_bytes / 2**20:.0f} MiB of weights\n"
           f"  KV      {cap.num_tokens} tokens in {cap.num_blocks} blocks ({cap.total_bytes / 2**30:.2f} GiB); "
           f"max_model_len {cap.max_model_len} -> {cap.max_concurrent_seqs:.1f} sequences at full length\n"
+          f"  power   {power}\n"
+          f"  prices  {prices}\n"
+          f"  ledger  {accounting.ledger.url}\n"
           f"  auth    off (anyone who can reach the port can use it)\n"
           f"  url     http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),

@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from tokenfactory.engine.engine import LLMEngine
+from tokenfactory.meter.attribution import Meter
 
 P = "tokenfactory:"
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -53,10 +54,52 @@ class EngineCollector(Collector):
         yield counter("engine_steps", "Engine steps run.", e.num_steps)
 
 
+class MeterCollector(Collector):
+    """Energy and cost from the meter. Each energy figure is labelled with its source (nvml, rapl,
+    modelled, constant) and scope (gpu, cpu-package, machine); a figure the source cannot give is absent,
+    never 0."""
+
+    def __init__(self, meter: Meter) -> None:
+        self.meter = meter
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        t = self.meter.totals()
+        labels = ["source", "scope"]
+        energy = CounterMetricFamily(P + "energy_joules", "Energy read from the power source since start-up.",
+                                     labels=labels)
+        for source, joules in t.energy_joules_by_source.items():
+            energy.add_metric([source, t.scope], joules)
+        yield energy
+        for name, doc, value in (
+                ("idle_energy_joules", "Energy spent between steps, not attributed to requests.", t.idle_joules),
+                ("attributed_energy_joules", "Energy attributed to requests.", t.attributed_joules)):
+            c = CounterMetricFamily(P + name, doc, labels=labels)
+            if value is not None:
+                c.add_metric([t.source, t.scope], value)
+            yield c
+        for name, doc, value in (
+                ("power_watts", "Average power over the last few seconds.", t.current_watts),
+                ("joules_per_output_token", "Attributed joules per generated token, finished requests.",
+                 t.joules_per_output_token)):
+            g = GaugeMetricFamily(P + name, doc, labels=labels)
+            if value is not None:
+                g.add_metric([t.source, t.scope], value)
+            yield g
+        cost = CounterMetricFamily(P + "cost_usd", "Cost of finished requests by component (device time, energy).",
+                                   labels=["component"])
+        cost.add_metric(["device"], t.cost_device_usd)
+        if t.cost_energy_usd is not None:
+            cost.add_metric(["energy"], t.cost_energy_usd)
+        yield cost
+
+
 class ServerMetrics:
-    def __init__(self, engine: LLMEngine, model_name: str, num_waiting: Callable[[], int]) -> None:
+    def __init__(self, engine: LLMEngine, model_name: str, num_waiting: Callable[[], int],
+                 meter: Meter | None = None) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(engine, model_name, num_waiting))
+        if meter is not None:
+            self.registry.register(MeterCollector(meter))
         labels = ["model_name"]
         self.model_name = model_name
 
