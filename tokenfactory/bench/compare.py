@@ -199,13 +199,14 @@ def chosen_engines(text: str) -> list[str]:
 
 def main(args: argparse.Namespace) -> int:
     from tokenfactory.bench.datasets import load_tokenizer
-    from tokenfactory.bench.results import check_name
+    from tokenfactory.bench.results import check_name, load_runs
     from tokenfactory.bench.serve import finish, make_console
-    from tokenfactory.bench.sweep import parse_levels, summary_table
+    from tokenfactory.bench.sweep import parse_levels, print_sweep_comparison, summary_table
     from tokenfactory.models.loader import bundled_model_path
 
     if args.save:
         check_name(args.save)
+    baseline = load_runs(args.compare, args.results_dir) if args.compare else None
     engines, targets = chosen_engines(args.engines), parse_targets(args.target)
     levels = [(c, None) for c in parse_levels(args.concurrency, int, "--concurrency")]
     model_path = Path(args.model_path).expanduser() if args.model_path else bundled_model_path()
@@ -231,6 +232,8 @@ def main(args: argparse.Namespace) -> int:
     console.print(summary_table(runs, "all runs"))
     for note in skipped:
         console.print(f"[yellow]skipped: {note}[/]")
+    if baseline:
+        print_sweep_comparison(console, baseline, runs, by_label=True)
     return code
 
 

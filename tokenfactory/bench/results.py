@@ -7,7 +7,8 @@ A run file (schema "tokenfactory.bench.run/1"):
      "figures": {flat name -> number | string | null}, "failures": {"kind: message": count},
      "samples": [one object per request], "timeseries": [{"t_s", metric -> value}]}
 
-A sweep or compare file (schema "tokenfactory.bench.set/1") is {"schema", "name", "kind", "runs": [run...]}.
+A sweep or compare file (schema "tokenfactory.bench.set/1") is {"schema", "name", "kind", "runs": [run...]},
+and a sweep's also the calibration fields below ("model", "prompt_tokens", "output_tokens", "results").
 
 `figures` also carries `concurrency`, `output_throughput`, `power_w`, `joules_per_output_token`, and
 `config` carries `model`, `prompt_tokens`, `output_tokens`, so that `tokenfactory plan --calibrate`
@@ -99,7 +100,15 @@ def save_run(result: RunResult, results_dir: str | Path, name: str) -> Path:
 
 
 def save_set(runs: Sequence[RunResult], kind: str, results_dir: str | Path, name: str) -> Path:
-    document = {"schema": SET_SCHEMA, "name": name, "kind": kind, "runs": [r.to_json() for r in runs]}
+    """The runs together; a sweep (one target) also carries the planner's calibration fields on top
+    (model, prompt_tokens, results), so that `tokenfactory plan --calibrate` reads it as it is."""
+    document: dict[str, Any] = {"schema": SET_SCHEMA, "name": name, "kind": kind}
+    if kind == "sweep":
+        try:
+            document |= calibration_document(runs, None)
+        except ValueError:
+            pass  # no run has a throughput: nothing to calibrate with
+    document["runs"] = [r.to_json() for r in runs]
     return save_document(document, result_path(results_dir, name))
 
 

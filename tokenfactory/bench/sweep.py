@@ -119,18 +119,18 @@ def main(args: argparse.Namespace) -> int:
     return code
 
 
-def print_sweep_comparison(console: Any, baseline: list[Any], runs: list[Any]) -> None:
-    """Each level against the baseline level with the same concurrency and rate, when there is one."""
+def print_sweep_comparison(console: Any, baseline: list[Any], runs: list[Any], by_label: bool = False) -> None:
+    """Each run against the baseline run with the same concurrency and rate (and label, for compare)."""
     from tokenfactory.bench.serve import print_comparison
 
-    def key(run: Any) -> tuple[Any, Any]:
+    def key(run: Any) -> tuple[Any, ...]:
         load = run.config.get("load", {})
-        return load.get("concurrency"), load.get("request_rate")
+        return (load.get("concurrency"), load.get("request_rate")) + ((run.label,) if by_label else ())
 
     by_key = {key(b): b for b in baseline}
     for run in runs:
         match = by_key.get(key(run))
         if match is None:
-            console.print(f"[yellow]no baseline level for {key(run)}[/]")
+            console.print(f"[yellow]no run in the baseline matches {run.label} at {key(run)[:2]}[/]")
             continue
         print_comparison(console, match, run)
