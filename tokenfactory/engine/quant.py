@@ -1,21 +1,394 @@
-"""Weight-only quantization: nn.Linear swapped at load time for modules holding packed weights.
+"""Weight-only quantization: the model's nn.Linear layers swapped at load time for `QuantizedLinear`
+modules holding packed weights and scales; the model code never knows (gpt-fast's design).
 
-(Only "none" so far; the int8/int4 schemes and the GGUF block mapping are being built.)
+    scheme "none"            nothing changes
+    scheme "auto"            a GGUF keeps its own quantization (Q4_0/Q4_1 -> int4 group 32, Q8_0 -> int8
+                             group 32, bit-exact codes), a file written by `tokenfactory quantize` keeps
+                             its scheme; anything else (HF folders, K-quants) stays dense
+    scheme "int8"            symmetric int8, one scale per output channel
+    scheme "int4[-gG]"       asymmetric int4, scale and zero point per group of G = 32 (default), 64, 128
+
+The formats are plain data (quant_formats.py); here they meet kernels. Every QuantizedLinear has two
+paths and picks one per call by the number of rows T in the step's flat batch:
+
+    T <= max_packed_rows   packed kernel: torch's weight-only int8 / int4 matmuls (bytes read ~ weights/2, /4)
+    T >  max_packed_rows   dense: F.linear on the dequantized weight (a kept copy, or dequantized per call)
+
+The packed kernels are GEMV-like: on the 2-core AVX-512 CPU they cost ~0.6 ms per row for the bundled
+model's 30 layers against bf16 GEMM's ~5 ms + 0.2 ms per row, so they win only for small T. Both paths
+compute the same logical weight (the packed one with scales rounded to bf16, see quant_formats.py).
+The crossovers in KERNELS were measured with `python -m tokenfactory.engine.bench_quant crossover`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from tokenfactory.engine.quant_formats import (
+    INT4_GROUP_SIZES,
+    Int4Weight,
+    Int8Weight,
+    QuantizedWeight,
+    check_group_size,
+    concat_rows,
+    from_gguf_blocks,
+    quantize_int4,
+    quantize_int8,
+    unpack_nibbles,
+)
 from tokenfactory.models.loader import RawGGUFTensors
 from tokenfactory.types import ParameterError
 
-SCHEMES: tuple[str, ...] = ("none",)
+# ---------------------------------------------------------------------------------------------------
+# Schemes: what weight each linear layer gets (decisions as data; applied after all are validated)
+
+
+@dataclass(frozen=True)
+class Scheme:
+    name: str
+    keeps_source: bool  # use the file's own quantized weights where they map exactly
+    quantize: Callable[[torch.Tensor, str], QuantizedWeight] | None  # requantize from float, or None
+
+
+def _int4(group_size: int) -> Callable[[torch.Tensor, str], QuantizedWeight]:
+    return lambda w, name: quantize_int4(w, group_size, name)
+
+
+SCHEMES: dict[str, Scheme] = {
+    "none": Scheme("none", keeps_source=False, quantize=None),
+    "auto": Scheme("auto", keeps_source=True, quantize=None),
+    "int8": Scheme("int8", keeps_source=False, quantize=lambda w, name: quantize_int8(w)),
+    "int4": Scheme("int4", keeps_source=False, quantize=_int4(32)),
+    **{f"int4-g{g}": Scheme(f"int4-g{g}", keeps_source=False, quantize=_int4(g)) for g in INT4_GROUP_SIZES},
+}
+
+
+def get_scheme(name: str) -> Scheme:
+    if name not in SCHEMES:
+        raise ParameterError("quantization", f"quantization must be one of {', '.join(SCHEMES)}, got {name!r}")
+    return SCHEMES[name]
+
+
+@dataclass(frozen=True)
+class QuantOptions:
+    """How quantized layers run. `dense`: "copy" keeps the dequantized weight for large steps (fast
+    batches, resident memory = packed + dense); "on-the-fly" dequantizes per large call (resident memory
+    = packed + codes, batches pay the dequantization)."""
+
+    dense: str = "copy"
+    quantize_lm_head: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dense not in DENSE_PATHS:
+            raise ParameterError("dense", f"dense must be one of {', '.join(DENSE_PATHS)}, got {self.dense!r}")
+
+
+def llama_linear_sources(model: nn.Module) -> dict[str, list[str]]:
+    """Module path of each linear layer -> the Hugging Face tensors its rows are made of, in order."""
+    cfg = model.cfg
+    paths: dict[str, list[str]] = {}
+    for i in range(cfg.num_layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        paths[f"layers.{i}.qkv_proj"] = [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]
+        paths[f"layers.{i}.o_proj"] = [a + "o_proj.weight"]
+        paths[f"layers.{i}.gate_up_proj"] = [m + "gate_proj.weight", m + "up_proj.weight"]
+        paths[f"layers.{i}.down_proj"] = [m + "down_proj.weight"]
+    # Tied: the LM head is the embedding matrix, quantized as the head (the embedding stays dense).
+    paths["lm_head"] = ["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+    return paths
+
+
+def source_weights(raw_gguf: RawGGUFTensors | None,
+                   quantized: Mapping[str, QuantizedWeight] | None) -> dict[str, QuantizedWeight]:
+    """HF name -> the file's own quantized weight, where it maps exactly onto our formats."""
+    found: dict[str, QuantizedWeight] = dict(quantized or {})
+    for name, (type_name, blocks, shape) in (raw_gguf or {}).items():
+        mapped = from_gguf_blocks(type_name, blocks, shape)
+        if mapped is not None:
+            found[name] = mapped
+    return found
+
+
+def plan_quantization(model: nn.Module, scheme: Scheme, sources: Mapping[str, QuantizedWeight],
+                      options: QuantOptions) -> dict[str, QuantizedWeight]:
+    """Module path -> the weight it will hold. Raises ValueError (naming the layer) before anything changes."""
+    plan: dict[str, QuantizedWeight] = {}
+    for path, names in llama_linear_sources(model).items():
+        if path == "lm_head" and not options.quantize_lm_head:
+            continue
+        parts = [sources.get(n) for n in names]
+        if scheme.keeps_source:
+            if all(p is not None for p in parts) and (fused := concat_rows(parts)) is not None:  # type: ignore[arg-type]
+                plan[path] = fused
+        elif scheme.quantize is not None:
+            # Requantize from the most precise float we have: the file's exact dequantization, else the layer.
+            exact = all(p is not None for p in parts)
+            w = torch.cat([p.dequantize() for p in parts]) if exact else model.get_submodule(path).weight  # type: ignore[union-attr]
+            plan[path] = scheme.quantize(w.detach().float().cpu(), path)
+    return plan
+
+
+@dataclass(frozen=True)
+class QuantSummary:
+    scheme: str
+    path_to_format: dict[str, str] = field(default_factory=dict)  # e.g. "int4-g32 via cpu-int4pack <= 8 rows"
+
+    @property
+    def num_quantized_layers(self) -> int:
+        return len(self.path_to_format)
 
 
 def apply_quantization(model: nn.Module, scheme: str, *, raw_gguf: RawGGUFTensors | None, dtype: torch.dtype,
-                       device: torch.device) -> None:
-    """Swap the model's linear layers in place for quantized ones (no-op for "none")."""
-    if scheme not in SCHEMES:
-        raise ParameterError("quantization", f"quantization must be one of {', '.join(SCHEMES)}, got {scheme!r}")
+                       device: torch.device, quantized: Mapping[str, QuantizedWeight] | None = None,
+                       options: QuantOptions | None = None) -> QuantSummary:
+    """Swap the model's linear layers in place for quantized ones (no-op for "none").
+
+    `raw_gguf`: the GGUF's quantized tensors as stored; `quantized`: weights from a file written by
+    `tokenfactory quantize` (LoadedModel.quantized). Call after the weights are on `device` in `dtype`."""
+    policy = get_scheme(scheme)
+    options = options or QuantOptions()
+    plan = plan_quantization(model, policy, source_weights(raw_gguf, quantized), options)
+    summary: dict[str, str] = {}
+    for path, weight in plan.items():
+        old = model.get_submodule(path)
+        new = QuantizedLinear.build(weight, old.weight, old.bias, dtype=dtype, device=device, dense=options.dense)
+        parent, _, attr = path.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, new)
+        summary[path] = new.describe()
+    return QuantSummary(policy.name, summary)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Packed kernels: torch's weight-only matmuls. Input (T, K) bf16 -> output (T, N) bf16.
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).contiguous()
+
+
+class Int8ChannelCPU(nn.Module):
+    """torch._weight_int8pack_mm: int8 weight (N, K), one bf16 scale per output channel. Needs K % 16 == 0
+    (other K crash in torch 2.13)."""
+
+    def __init__(self, w: Int8Weight, device: torch.device) -> None:
+        super().__init__()
+        self.register_buffer("q", w.q.contiguous().to(device))  # (N, K) int8
+        self.register_buffer("scale", _bf16(w.scale[:, 0]).to(device))  # (N,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x, self.q, self.scale)
+
+
+class Int4GroupCPU(nn.Module):
+    """torch._weight_int4pack_mm_for_cpu: codes packed by _convert_weight_to_int4pack_for_cpu, and
+    scales_and_zeros (K/g, N, 2) bf16 with w = (q - 8) * scale + zero. N is padded to a multiple of 16."""
+
+    def __init__(self, w: Int4Weight, device: torch.device) -> None:
+        super().__init__()
+        n, k = w.shape
+        self.num_out, self.group_size = n, w.group_size
+        pad = -n % 16
+        q = F.pad(w.q.to(torch.int32), (0, 0, 0, pad), value=8)  # (N + pad, K); padded rows dequantize to 0
+        zero = F.pad(w.min + 8 * w.scale, (0, 0, 0, pad))
+        scale = F.pad(w.scale, (0, 0, 0, pad))
+        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, 1).to(device))
+        self.register_buffer("scales_and_zeros", _bf16(torch.stack([scale, zero], -1).transpose(0, 1)).to(device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
+        return y if y.shape[1] == self.num_out else y[:, :self.num_out]
+
+
+class Int8GroupAsInt4PlanesCPU(nn.Module):
+    """Grouped int8 (GGUF Q8_0) on the int4 kernel, exactly: q = 16 * hi + lo with hi in [-8, 7] and lo in
+    [0, 15], so w = d * q = (hi + 8 - 8) * 16d + (lo - 8) * d + 8d: two int4 planes, same codes, no
+    requantization. Torch's int8 kernel has no per-group scales; this costs two int4 calls instead."""
+
+    def __init__(self, w: Int8Weight, device: torch.device) -> None:
+        super().__init__()
+        q = w.q.to(torch.int16)
+        hi = torch.div(q, 16, rounding_mode="floor")  # [-8, 7]
+        lo = q - 16 * hi  # [0, 15]
+        d = w.scale
+        self.hi = Int4GroupCPU(Int4Weight((hi + 8).to(torch.uint8), 16 * d, -8 * 16 * d), device)
+        self.lo = Int4GroupCPU(Int4Weight(lo.to(torch.uint8), d, torch.zeros_like(d)), device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.hi(x) + self.lo(x)
+
+
+class Int4GroupCUDA(nn.Module):
+    """torch._weight_int4pack_mm (tinygemm) on CUDA. Untested here (no GPU on the build machine)."""
+
+    def __init__(self, w: Int4Weight, device: torch.device) -> None:
+        super().__init__()
+        n, k = w.shape
+        self.group_size = w.group_size
+        inner_k_tiles = next(t for t in (8, 4, 2) if k % (t * 16) == 0)
+        q = w.q.to(torch.int32)
+        packed = ((q[:, 0::2] << 4) | q[:, 1::2]).to(torch.uint8).to(device)  # (N, K/2), even k high
+        self.register_buffer("packed", torch._convert_weight_to_int4pack(packed, inner_k_tiles))
+        zero = w.min + 8 * w.scale
+        self.register_buffer("scales_and_zeros", _bf16(torch.stack([w.scale, zero], -1).transpose(0, 1)).to(device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm(x, self.packed, self.group_size, self.scales_and_zeros)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A packed kernel for one device and format, with the largest T at which it beats the dense path
+    (per dense strategy: a kept bf16 copy, or dequantize-per-call)."""
+
+    name: str
+    device_type: str
+    fits: Callable[[QuantizedWeight], bool]
+    build: Callable[[QuantizedWeight, torch.device], nn.Module]
+    max_rows: Mapping[str, int]  # dense strategy -> crossover in rows
+
+
+def _has_kernel(op: str, device_type: str) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", device_type.upper())
+
+
+# Crossovers measured on the 2-core AMD EPYC (AVX-512 BF16), torch 2.13, the bundled model's shapes:
+# `python -m tokenfactory.engine.bench_quant crossover` (figures in docs/quantization.md). Against a
+# kept bf16 copy the packed kernels win up to ~8 rows; against dequantize-per-call (which pays ~0.4 ms
+# per layer per call) up to ~32.
+KERNELS: tuple[Kernel, ...] = (
+    Kernel("cpu-int8pack", "cpu",
+           lambda w: isinstance(w, Int8Weight) and w.scale.shape[1] == 1 and w.shape[1] % 16 == 0,
+           Int8ChannelCPU, {"copy": 8, "on-the-fly": 32}),  # type: ignore[arg-type]
+    Kernel("cpu-int4pack", "cpu",
+           lambda w: isinstance(w, Int4Weight) and w.group_size in (32, 64, 128, 256),
+           Int4GroupCPU, {"copy": 8, "on-the-fly": 32}),  # type: ignore[arg-type]
+    Kernel("cpu-int8-as-int4-planes", "cpu",
+           lambda w: isinstance(w, Int8Weight) and w.group_size in (32, 64, 128, 256),
+           Int8GroupAsInt4PlanesCPU, {"copy": 4, "on-the-fly": 16}),  # type: ignore[arg-type]
+    Kernel("cuda-int4pack", "cuda",
+           lambda w: (isinstance(w, Int4Weight) and w.group_size in (32, 64, 128, 256) and w.shape[1] % 32 == 0
+                      and w.shape[0] % 8 == 0 and _has_kernel("_weight_int4pack_mm", "cuda")),
+           Int4GroupCUDA, {"copy": 32, "on-the-fly": 64}),  # type: ignore[arg-type]
+)
+
+
+def pick_kernel(w: QuantizedWeight, device: torch.device) -> Kernel | None:
+    return next((k for k in KERNELS if k.device_type == device.type and k.fits(w)), None)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Dense paths: the weight for F.linear when T is large
+
+
+class DenseCopy(nn.Module):
+    """The dequantized weight kept in the model's dtype (shares the layer's old tensor when it is equal,
+    e.g. a GGUF's own weights under "auto", or the embedding a tied LM head came from)."""
+
+    def __init__(self, w: QuantizedWeight, old: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        dense = w.dequantize().to(device=device, dtype=dtype)
+        self.register_buffer("dense", old.detach() if old.dtype == dtype and torch.equal(old, dense) else dense)
+
+    def weight(self) -> torch.Tensor:
+        return self.dense
+
+
+class DequantizeOnTheFly(nn.Module):
+    """Keeps codes and scales only; dequantizes per call (int4 codes two per byte)."""
+
+    def __init__(self, w: QuantizedWeight, old: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.dtype, self.int4 = dtype, isinstance(w, Int4Weight)
+        codes = ((w.q[:, 0::2] | (w.q[:, 1::2] << 4)) if self.int4 else w.q).contiguous()
+        self.register_buffer("codes", codes.to(device))
+        self.register_buffer("scale", w.scale.to(device=device, dtype=dtype).unsqueeze(-1))  # (N, K/g, 1)
+        offset = w.min if isinstance(w, Int4Weight) else torch.zeros_like(w.scale)
+        self.register_buffer("offset", offset.to(device=device, dtype=dtype).unsqueeze(-1))
+
+    def weight(self) -> torch.Tensor:
+        q = unpack_nibbles(self.codes) if self.int4 else self.codes  # (N, K)
+        n, num_groups = self.scale.shape[0], self.scale.shape[1]
+        groups = q.view(n, num_groups, -1).to(self.dtype)  # (N, K/g, g)
+        return torch.addcmul(self.offset, groups, self.scale).view(n, -1)
+
+
+DENSE_PATHS: dict[str, type[DenseCopy] | type[DequantizeOnTheFly]] = {
+    "copy": DenseCopy,
+    "on-the-fly": DequantizeOnTheFly,
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+# The module that replaces nn.Linear
+
+
+class QuantizedLinear(nn.Module):
+    """y = x @ W^T (+ b) for a quantized W: packed kernel for small steps, dense matmul for large ones."""
+
+    def __init__(self, fmt: str, kernel: Kernel | None, packed: nn.Module | None, dense: nn.Module,
+                 bias: torch.Tensor | None, max_packed_rows: int, shape: tuple[int, int]) -> None:
+        super().__init__()
+        self.format_name, self.kernel_name = fmt, kernel.name if kernel else "none"
+        self.packed, self.dense = packed, dense
+        self.max_packed_rows = max_packed_rows if packed is not None else 0
+        self.out_features, self.in_features = shape
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def build(cls, w: QuantizedWeight, old_weight: torch.Tensor, bias: torch.Tensor | None, *, dtype: torch.dtype,
+              device: torch.device, dense: str = "copy") -> QuantizedLinear:
+        if tuple(old_weight.shape) != w.shape:
+            raise ValueError(f"quantized weight has shape {w.shape}, but the layer is {tuple(old_weight.shape)}")
+        if isinstance(w, Int4Weight):
+            check_group_size(w.group_size, w.shape[1], "this layer")
+        kernel = pick_kernel(w, device)
+        packed = kernel.build(w, device) if kernel else None
+        dense_path = DENSE_PATHS[dense](w, old_weight, dtype, device)
+        max_rows = kernel.max_rows[dense] if kernel else 0
+        return cls(w.format_name, kernel, packed, dense_path, None if bias is None else bias.detach(), max_rows,
+                   w.shape)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)  # (T, K)
+        if x2.shape[0] <= self.max_packed_rows:
+            y = self.packed(_bf16(x2)).to(x.dtype)  # type: ignore[misc]
+            if self.bias is not None:
+                y = y + self.bias
+        else:
+            y = F.linear(x2, self.dense.weight(), self.bias)  # type: ignore[operator]
+        return y.view(*lead, self.out_features)
+
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes a packed call reads (codes, scales): what one decode token costs this layer."""
+        if self.packed is None:
+            return self.dense.weight().numel() * self.dense.weight().element_size()  # type: ignore[operator]
+        return sum(b.numel() * b.element_size() for b in self.packed.buffers())
+
+    def describe(self) -> str:
+        return f"{self.format_name} via {self.kernel_name} (packed for <= {self.max_packed_rows} rows)"
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, {self.describe()}"
+
+
+def decode_weight_bytes(model: nn.Module) -> int:
+    """Weight bytes one decode step of one token reads: every linear layer (packed where quantized) and the
+    norms; the embedding only if it doubles as a dense LM head (a lookup reads one row)."""
+    total, seen = 0, set()
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            total += module.packed_bytes
+        elif isinstance(module, nn.Linear) and module.weight.data_ptr() not in seen:
+            seen.add(module.weight.data_ptr())
+            total += module.weight.numel() * module.weight.element_size()
+    for p in model.parameters():
+        if p.dim() == 1:
+            total += p.numel() * p.element_size()
+    return total
