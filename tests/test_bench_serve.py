@@ -52,11 +52,13 @@ def wait_healthy(url: str, process: subprocess.Popen | None, log: Path | None, t
 def tf_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
     """A real `tokenfactory serve` on a free loopback port: (base URL, pid)."""
     port = free_port()
-    log = tmp_path_factory.mktemp("tf-server") / "server.log"
+    folder = tmp_path_factory.mktemp("tf-server")
+    log = folder / "server.log"
     with log.open("wb") as out:
         process = subprocess.Popen([sys.executable, "-m", "tokenfactory.cli", "serve", "--port", str(port),
                                     "--max-model-len", "1024", "--kv-cache-memory", "128MiB", "--max-num-seqs", "8",
-                                    "--log-level", "warning"], stdout=out, stderr=subprocess.STDOUT)
+                                    "--data-dir", str(folder), "--log-level", "warning"],
+                                   stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, process, log)
@@ -112,8 +114,12 @@ def test_small_run_figures_are_consistent(tf_server, tmp_path, capsys):
     assert f["peak_concurrency"] <= 4 and 0 < f["mean_concurrency"] <= 4.0 + 1e-6
     # memory of the server process (found by its port), power with a named source, cost
     assert run.config["server_pid"] == pid and f["server_rss_peak_bytes"] > 100 * 2**20
-    assert f["energy_source"] and f["energy_joules"] > 0
+    assert f["energy_origin"] == "server" and f["energy_source"] and f["energy_joules"] > 0  # its own meter
     assert f["joules_per_output_token"] == pytest.approx(f["energy_joules"] / 128)
+    assert f["avg_power_w"] > 0 and "energy_joules_total" in f["energy_basis"]
+    attributed = sum(s["usage_extra"]["energy_joules"] for s in run.samples)  # idle between steps excluded
+    assert f["attributed_joules_per_output_token"] == pytest.approx(attributed / 128)
+    assert attributed <= f["energy_joules"] * 1.05
     assert f["usd_per_million_output_tokens"] > 0 and f["cost_basis"]
     assert any("tokenfactory:num_requests_running" in row for row in run.timeseries)
     assert "output token throughput" in out and "status: complete" in out

@@ -30,7 +30,7 @@ from tokenfactory.bench.datasets import BenchRequest
 # stream broke, carried an error event or ended early; timeout; no_tokens: a 200 with no token at all.
 ERROR_KINDS = ("connect", "auth", "http", "stream", "timeout", "no_tokens")
 FATAL_ERROR_KINDS = frozenset({"connect", "auth"})  # the next request would fail the same way
-USAGE_EXTRAS = ("energy_joules", "energy_source", "cost_usd", "cost_device_usd", "cost_energy_usd")
+USAGE_EXTRAS = ("energy_joules", "energy_source", "energy_scope", "cost_usd", "cost_device_usd", "cost_energy_usd")
 
 
 @dataclass(frozen=True)

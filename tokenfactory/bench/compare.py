@@ -44,6 +44,7 @@ class LaunchOptions:
     max_model_len: int
     max_concurrency: int
     extra_args: dict[str, list[str]]  # engine -> extra command-line arguments
+    data_dir: Path  # our server's ledger of the benchmark's requests (kept apart from the user's)
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class Launcher:
 def _tokenfactory(o: LaunchOptions, port: int) -> list[str]:
     return [sys.executable, "-m", "tokenfactory.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--model", str(o.model_path), "--max-model-len", str(o.max_model_len), "--log-level", "warning",
-            *o.extra_args.get("tokenfactory", [])]
+            "--data-dir", str(o.data_dir), *o.extra_args.get("tokenfactory", [])]
 
 
 def _hf(o: LaunchOptions, port: int) -> list[str]:
@@ -213,7 +214,8 @@ def main(args: argparse.Namespace) -> int:
     if not model_path.exists():
         raise ParameterError("model_path", f"--model-path {model_path} does not exist")
     options = LaunchOptions(model_path, args.max_model_len, max(c for c, _ in levels),
-                            parse_engine_args(args.engine_args))
+                            parse_engine_args(args.engine_args),
+                            Path(args.results_dir).expanduser() / "logs" / f"{args.save or 'compare'}-ledger")
     tokenizer = load_tokenizer(args.tokenizer or model_path)
     console = make_console()
     runs: list[Any] = []

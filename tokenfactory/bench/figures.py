@@ -162,6 +162,8 @@ FIGURE_SPECS: dict[str, FigureSpec] = {
     "device_memory_peak_bytes": FigureSpec("device memory, peak", "MiB", "lower"),
     "avg_power_w": FigureSpec("average power", "W", None),
     "joules_per_output_token": FigureSpec("energy per output token", "J/tok", "lower"),
+    "attributed_joules_per_output_token": FigureSpec("energy per output token, attributed by the server", "J/tok",
+                                                     "lower"),
     "usd_per_million_output_tokens": FigureSpec("cost per million output tokens", "USD", "lower"),
     "cached_prompt_tokens": FigureSpec("prompt tokens from the prefix cache", "tok", None),
     "mean_concurrency": FigureSpec("mean requests in flight", "", None),

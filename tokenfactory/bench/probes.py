@@ -5,10 +5,12 @@ Memory, sampled every `interval_s` during the run (peak and mean):
     of the process and its children (psutil), and on NVIDIA GPUs the device memory NVML lists for them;
   - else our server's /metrics `process_resident_memory_bytes`, when it exports one.
 
-Power over the run's window [first send, last response]:
-  - a tokenfactory target whose usage carries `energy_joules` (the meter's attribution): J/token from
-    the requests' own joules, watts from the `tokenfactory:energy_joules_total` counter over the window
-    (else the mean of `tokenfactory:power_watts`), source from the server (`energy_source`);
+Power over the run's window (from just before the first send to just after the last response):
+  - our server: its `tokenfactory:energy_joules_total{source,scope}` counter read at both ends,
+    watts = ΔJ / Δt, J/token = ΔJ / output tokens (the whole server, idle between steps included: the
+    same basis as any other engine's), labelled with the counter's source and scope; the requests'
+    own attributed joules (usage.energy_joules) are reported beside it. Without the counter, the
+    usage joules alone (labelled as attributed);
   - any other target: a local power source of the meter (`--power-source`, default auto) read at both
     ends of the window: watts = ΔJ / Δt, J/token = ΔJ / output tokens. The `modelled` source is
     CodeCarbon's CPU-load model; its load is taken from the server's processes when their pid is known,
@@ -64,7 +66,13 @@ def metric_by_label(samples: MetricSamples, name: str, label: str) -> dict[str, 
     return out
 
 
-async def scrape(client: Any, base_url: str, headers: dict[str, str]) -> MetricSamples | None:
+@dataclass(frozen=True)
+class Scrape:
+    time_s: float  # time.perf_counter() when the response arrived
+    samples: MetricSamples
+
+
+async def scrape(client: Any, base_url: str, headers: dict[str, str]) -> Scrape | None:
     """GET {base_url}/metrics, parsed; None when there is no such endpoint."""
     try:
         response = await client.get(f"{base_url}/metrics", headers=headers)
@@ -72,7 +80,8 @@ async def scrape(client: Any, base_url: str, headers: dict[str, str]) -> MetricS
         return None
     if response.status_code != 200:
         return None
-    return parse_prometheus(response.text) or None
+    samples = parse_prometheus(response.text)
+    return Scrape(time.perf_counter(), samples) if samples else None
 
 
 # -- processes ---------------------------------------------------------------------------------------------
@@ -204,10 +213,10 @@ class Sampler:
 
     async def sample_once(self) -> None:
         if self.has_metrics:
-            samples = await scrape(self.client, self.base_url, self.headers)
-            if samples is not None:
-                self.trace.metrics.append((time.perf_counter() - self._t0, samples))
-                rss = metric_sum(samples, "process_resident_memory_bytes")
+            scraped = await scrape(self.client, self.base_url, self.headers)
+            if scraped is not None:
+                self.trace.metrics.append((scraped.time_s - self._t0, scraped.samples))
+                rss = metric_sum(scraped.samples, "process_resident_memory_bytes")
                 if self.pid is None and rss is not None:
                     self.trace.source = "server /metrics process_resident_memory_bytes"
                     self.trace.rss_bytes.append(int(rss))
@@ -243,6 +252,7 @@ class EnergyWindow:
     scope: str | None
     basis: str  # one line: what was measured, how
     measured_watts: float | None = None  # the server's own whole-server watts, when it reports them
+    attributed_joules: float | None = None  # our server's per-request attribution (usage), when present
 
     @property
     def watts(self) -> float | None:
@@ -302,25 +312,40 @@ def open_local_source(name: str, pid: int | None) -> tuple[Any, str]:
                       f"({cpu.basis}); an estimate, not a measurement")
 
 
-def server_energy(samples_usage: list[dict[str, Any]], before: MetricSamples | None, after: MetricSamples | None,
+ENERGY_COUNTER = "tokenfactory:energy_joules_total"
+
+
+def _labels(samples: MetricSamples, name: str, label: str) -> str | None:
+    values = sorted({lbl[label] for lbl, _ in samples.get(name, []) if lbl.get(label)})
+    return "+".join(values) or None
+
+
+def server_energy(usage: list[dict[str, Any]], before: Scrape | None, after: Scrape | None,
                   power_means: list[float], seconds: float) -> EnergyWindow | None:
-    """Energy as our server reports it; None when its usage carries no energy for every request."""
-    joules = [u.get("energy_joules") for u in samples_usage]
-    if not joules or any(not isinstance(j, int | float) for j in joules):
+    """Energy as our server reports it, or None when it reports none.
+
+    Preferred: its whole-server counter over the window (idle between steps included), the same basis
+    as a local source's window for any other engine. Else the requests' attributed joules (usage)."""
+    joules = [u.get("energy_joules") for u in usage]
+    attributed = float(sum(joules)) if joules and all(isinstance(j, int | float) for j in joules) else None
+    note = f"; attributed to the requests (usage.energy_joules): {attributed:.4g} J" if attributed is not None else ""
+    if before is not None and after is not None and ENERGY_COUNTER in after.samples and \
+            ENERGY_COUNTER in before.samples:
+        delta = (metric_sum(after.samples, ENERGY_COUNTER) or 0.0) - (metric_sum(before.samples, ENERGY_COUNTER) or 0.0)
+        window_s = after.time_s - before.time_s
+        return EnergyWindow(delta, window_s, _labels(after.samples, ENERGY_COUNTER, "source"),
+                            _labels(after.samples, ENERGY_COUNTER, "scope"),
+                            f"server /metrics {ENERGY_COUNTER} over the run ({window_s:.2f} s, idle included){note}",
+                            attributed_joules=attributed)
+    if attributed is None:
         return None
-    sources = sorted({str(u.get("energy_source")) for u in samples_usage if u.get("energy_source")})
-    total = float(sum(joules))
-    basis = "server usage.energy_joules (per-request attribution by the meter)"
-    counter = "tokenfactory:energy_joules_total"
-    if before is not None and after is not None and counter in after and counter in before:
-        window = (metric_sum(after, counter) or 0.0) - (metric_sum(before, counter) or 0.0)
-        basis += f"; watts from {counter} over the window ({window:.1f} J)"
-        return EnergyWindow(total, seconds, "+".join(sources) or None, None, basis, window / seconds)
-    if power_means:
-        mean_w = sum(power_means) / len(power_means)
+    sources = "+".join(sorted({str(u["energy_source"]) for u in usage if u.get("energy_source")})) or None
+    scopes = "+".join(sorted({str(u["energy_scope"]) for u in usage if u.get("energy_scope")})) or None
+    basis = "server usage.energy_joules (attributed to the requests; idle between steps excluded)"
+    mean_w = sum(power_means) / len(power_means) if power_means else None
+    if mean_w is not None:
         basis += "; watts: mean of tokenfactory:power_watts samples"
-        return EnergyWindow(total, seconds, "+".join(sources) or None, None, basis, mean_w)
-    return EnergyWindow(total, seconds, "+".join(sources) or None, None, basis)
+    return EnergyWindow(attributed, seconds, sources, scopes, basis, mean_w, attributed)
 
 
 def local_host_name() -> str:

@@ -26,8 +26,8 @@ from tokenfactory.bench.probes import (
     EnergyWindow,
     LocalPower,
     MemoryTrace,
-    MetricSamples,
     Sampler,
+    Scrape,
     find_listening_pid,
     is_loopback,
     metric_by_label,
@@ -119,7 +119,7 @@ def count_missing_output(samples: Sequence[RequestSample], tokenizer: Any) -> No
 
 
 def assemble(spec: BenchSpec, target: Target, info: TargetInfo, outcome: LoadOutcome, trace: MemoryTrace,
-             before: MetricSamples | None, after: MetricSamples | None, local: EnergyWindow | None,
+             before: Scrape | None, after: Scrape | None, local: EnergyWindow | None,
              pid: int | None, warm: list[RequestSample]) -> RunResult:
     samples = outcome.samples
     figures = latency_figures(samples, outcome.duration_s, spec.slo)
@@ -142,19 +142,19 @@ def assemble(spec: BenchSpec, target: Target, info: TargetInfo, outcome: LoadOut
         timeseries=timeseries(trace))
 
 
-def server_token_counts(before: MetricSamples | None, after: MetricSamples | None) -> dict[str, Any]:
+def server_token_counts(before: Scrape | None, after: Scrape | None) -> dict[str, Any]:
     """Tokens our server counted during the run (its /metrics counters' deltas), for cross-checking."""
     out: dict[str, Any] = {"server_prompt_tokens": None, "server_generation_tokens": None}
     if before is None or after is None:
         return out
     for key, name in (("server_prompt_tokens", "tokenfactory:prompt_tokens_total"),
                       ("server_generation_tokens", "tokenfactory:generation_tokens_total")):
-        a, b = metric_sum(after, name), metric_sum(before, name)
+        a, b = metric_sum(after.samples, name), metric_sum(before.samples, name)
         out[key] = int(a - b) if a is not None and b is not None else None
     return out
 
 
-def energy_figures(samples: Sequence[RequestSample], before: MetricSamples | None, after: MetricSamples | None,
+def energy_figures(samples: Sequence[RequestSample], before: Scrape | None, after: Scrape | None,
                    trace: MemoryTrace, local: EnergyWindow | None, seconds: float,
                    output_tokens: int) -> dict[str, Any]:
     """J/token and watts: the server's own figures when it reports them, else the local source's window."""
@@ -167,10 +167,13 @@ def energy_figures(samples: Sequence[RequestSample], before: MetricSamples | Non
         window, origin = local, "local"
     if window is None or window.joules is None:
         return {"energy_joules": None, "avg_power_w": None, "joules_per_output_token": None,
-                "energy_source": None, "energy_scope": None, "energy_origin": None,
+                "attributed_joules_per_output_token": None, "energy_source": None, "energy_scope": None,
+                "energy_origin": None,
                 "energy_basis": local.basis if local is not None else "power measurement off (--power-source none)"}
+    per_token = (lambda j: j / output_tokens if output_tokens and j is not None else None)
     return {"energy_joules": window.joules, "avg_power_w": window.watts,
-            "joules_per_output_token": window.joules / output_tokens if output_tokens else None,
+            "joules_per_output_token": per_token(window.joules),
+            "attributed_joules_per_output_token": per_token(window.attributed_joules),
             "energy_source": window.source, "energy_scope": window.scope, "energy_origin": origin,
             "energy_basis": window.basis}
 
