@@ -189,6 +189,7 @@ class Handler:
                  accounting: Accounting | None = None) -> None:
         self.engine, self.settings, self.metrics, self.accounting = engine, settings, metrics, accounting
         self.background: set[asyncio.Task] = set()
+        self.num_reserved = 0
         self.started = time.time()
         self.last_output_time: dict[str, float] = {}
 
@@ -218,11 +219,15 @@ class Handler:
     def check_capacity(self, num_requests: int) -> None:
         if not self.engine.is_alive:
             raise APIError(503, self.engine.dead_reason or "the engine is not running", "server_error")
-        if self.engine.num_waiting + num_requests > self.settings.max_waiting:
-            raise APIError(503, f"the server is overloaded: {self.engine.num_waiting} requests are already "
+        waiting = self.engine.num_waiting + self.num_reserved
+        if waiting + num_requests > self.settings.max_waiting:
+            raise APIError(503, f"the server is overloaded: {waiting} requests are already "
                            f"waiting (limit {self.settings.max_waiting}); retry after {self.settings.retry_after_s} s",
                            "server_error", code="overloaded",
                            headers={"Retry-After": str(self.settings.retry_after_s)})
+        # Admitted but not yet handed to the engine: counted until the request's task starts, so that
+        # requests arriving in the same instant cannot all pass the check.
+        self.num_reserved += num_requests
 
     # -- endpoints --------------------------------------------------------------------------------------
 
@@ -275,7 +280,10 @@ class Handler:
         render = render_chat if kind == "chat.completion" else render_completion
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self.stream(adds, request_id, render, include_usage, echo),
+            # The engine requests start now, whether or not the response body is ever read.
+            queue: asyncio.Queue = asyncio.Queue()
+            tasks = [asyncio.ensure_future(self.pump(i, a, queue)) for i, a in enumerate(adds)]
+            return StreamingResponse(self.stream(adds, tasks, queue, request_id, render, include_usage, echo),
                                      media_type="text/event-stream")
         latest: dict[int, RequestOutput] = {}
         try:
@@ -313,6 +321,7 @@ class Handler:
                       latest: dict[int, RequestOutput]) -> list[RequestOutput]:
         """Run each prompt to the end; if the client disconnects first, abort them all."""
         async def one(i: int, add: AddRequest) -> RequestOutput:
+            self.num_reserved -= 1  # handed to the engine, which counts it from here (no await between)
             final = None
             try:
                 async for out in self.engine.generate(add):
@@ -381,23 +390,22 @@ class Handler:
         for c in out.outputs:
             self.metrics.success.labels(name, str(c.finish_reason)).inc()
 
-    async def stream(self, adds: list[AddRequest], request_id: str, render: type, include_usage: bool,
-                     echo: bool) -> AsyncIterator[str]:
+    async def pump(self, i: int, add: AddRequest, queue: asyncio.Queue) -> None:
+        """Move one engine request's outputs into the response's queue."""
+        self.num_reserved -= 1  # handed to the engine, which counts it from here (no await between)
+        previous = None
+        try:
+            async for out in self.engine.generate(add):
+                previous = self.observe(out, previous)
+                await queue.put((i, out))
+        except EngineDeadError as e:
+            await queue.put((i, e))
+        finally:
+            self.last_output_time.pop(add.request_id, None)
+
+    async def stream(self, adds: list[AddRequest], tasks: list[asyncio.Task], queue: asyncio.Queue,
+                     request_id: str, render: type, include_usage: bool, echo: bool) -> AsyncIterator[str]:
         model, created = self.settings.served_model_name, int(time.time())
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i: int, add: AddRequest) -> None:
-            previous = None
-            try:
-                async for out in self.engine.generate(add):
-                    previous = self.observe(out, previous)
-                    await queue.put((i, out))
-            except EngineDeadError as e:
-                await queue.put((i, e))
-            finally:
-                self.last_output_time.pop(add.request_id, None)
-
-        tasks = [asyncio.ensure_future(pump(i, a)) for i, a in enumerate(adds)]
         finals: dict[int, RequestOutput] = {}
         latest: dict[int, RequestOutput] = {}
         settled = failed = False

@@ -1,0 +1,235 @@
+"""A real server on loopback, the real bundled model, the official `openai` client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.server_util import Server, start_server
+
+pytestmark = pytest.mark.slow
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Server:
+    s = start_server(tmp_path_factory.mktemp("server"), "--max-waiting", "200", "--max-body-bytes", "200000")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_models_and_health(server, client) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+
+
+def test_chat_completion_with_usage_and_energy(client) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=[
+        {"role": "system", "content": "You answer in one short sentence."},
+        {"role": "user", "content": "What is the capital of France?"}], temperature=0, max_tokens=20)
+    assert "Paris" in r.choices[0].message.content and r.choices[0].message.role == "assistant"
+    u = r.usage
+    assert u.prompt_tokens > 10 and 0 < u.completion_tokens <= 20
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    assert u.prompt_tokens_details.cached_tokens >= 0
+    extra = u.model_extra
+    assert extra["energy_source"] in ("modelled", "rapl", "nvml", "constant")
+    assert extra["energy_joules"] > 0 and extra["cost_usd"] > 0
+
+
+def test_completion_prompt_forms(client) -> None:
+    r = client.completions.create(model=MODEL, prompt=["The sky is", "Two plus two is"], max_tokens=4,
+                                  temperature=0)
+    assert sorted(c.index for c in r.choices) == [0, 1] and r.usage.completion_tokens == 8
+    ids = client.completions.create(model=MODEL, prompt=[504, 3458, 314], max_tokens=3, temperature=0)
+    assert ids.usage.prompt_tokens == 3
+    multi = client.completions.create(model=MODEL, prompt=[[504, 3458], [504, 3458, 314]], max_tokens=2)
+    assert len(multi.choices) == 2 and multi.usage.prompt_tokens == 5
+
+
+def test_streaming_chat_with_usage(client) -> None:
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Count to five."}],
+                                            max_tokens=24, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes in (["stop"], ["length"])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    assert all(c.usage is None for c in chunks[:-1])
+    full = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Count to five."}],
+                                          max_tokens=24, temperature=0)
+    assert text == full.choices[0].message.content
+
+
+def test_stream_ends_with_done(server) -> None:
+    with httpx.stream("POST", server.url + "/v1/completions", json={
+            "model": MODEL, "prompt": "Hi", "max_tokens": 3, "stream": True}, timeout=60) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+
+
+def test_n_stop_seed_logprobs(client) -> None:
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", n=3, max_tokens=8, temperature=1.0,
+                                  seed=5)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    again = client.completions.create(model=MODEL, prompt="Once upon a time", n=3, max_tokens=8, temperature=1.0,
+                                      seed=5)
+    assert [c.text for c in r.choices] == [c.text for c in again.choices]
+    stop = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3, 4,", max_tokens=30, temperature=0,
+                                     stop=[" 7"])
+    assert stop.choices[0].finish_reason == "stop" and " 7" not in stop.choices[0].text
+    lp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                        temperature=0, logprobs=True, top_logprobs=2)
+    content = lp.choices[0].logprobs.content
+    assert len(content) == lp.usage.completion_tokens and len(content[0].top_logprobs) == 2
+    assert content[0].logprob == pytest.approx(content[0].top_logprobs[0].logprob, abs=1e-4)
+    clp = client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0, logprobs=1)
+    assert len(clp.choices[0].logprobs.token_logprobs) == 3
+
+
+BAD_REQUESTS = [
+    # (path, body or raw bytes, status, param)
+    ("/v1/chat/completions", b"{not json", 400, None),
+    ("/v1/chat/completions", {"model": MODEL, "messages": "hello"}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": -1},
+     400, "temperature"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_p": 1.5},
+     400, "top_p"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
+     400, "max_tokens"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 1000}, 400, "n"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "bogus": 1},
+     400, "bogus"),
+    ("/v1/chat/completions", {"model": "gpt-17", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
+    ("/v1/completions", {"model": MODEL, "prompt": "word " * 3000}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x" * 300000}, 413, None),
+    ("/v1/nowhere", {}, 404, None),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), BAD_REQUESTS)
+def test_bad_requests_get_openai_errors(server, path, body, status, param) -> None:
+    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
+        else {"json": body}
+    r = httpx.post(server.url + path, timeout=60, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_context_length_error_speaks_of_model_tokens(server) -> None:
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "word " * 3000}, timeout=60)
+    assert "model tokens" in r.json()["error"]["message"] and "2048" in r.json()["error"]["message"]
+
+
+def test_disconnect_mid_stream_frees_blocks(server) -> None:
+    def used() -> float:
+        return server.metric("tokenfactory:kv_cache_usage_perc")
+
+    deadline = time.monotonic() + 30
+    while server.metric("tokenfactory:num_requests_running") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    before = used()
+    with httpx.stream("POST", server.url + "/v1/completions", json={
+            "model": MODEL, "prompt": "A very long story about " * 40, "max_tokens": 1500, "ignore_eos": True,
+            "stream": True}, timeout=60) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 10:
+                break
+        assert used() > before
+    deadline = time.monotonic() + 20
+    while used() > before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert used() == before
+    assert server.metric("tokenfactory:num_requests_running") == 0
+
+
+def test_load_64_concurrent_streams_lose_nothing(server) -> None:
+    async def one(client: httpx.AsyncClient, i: int) -> int:
+        async with client.stream("POST", "/v1/completions", json={
+                "model": MODEL, "prompt": f"Request {i}: tell me about", "max_tokens": 16, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}) as r:
+            assert r.status_code == 200
+            usage, done = None, False
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    chunk = json.loads(line[6:])
+                    usage = chunk.get("usage") or usage
+            assert done and usage is not None
+            return usage["completion_tokens"]
+
+    async def run() -> list[int]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=300) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(64)))
+
+    gen_before = server.metric("tokenfactory:generation_tokens_total")
+    counts = asyncio.run(run())
+    assert counts == [16] * 64
+    assert server.metric("tokenfactory:generation_tokens_total") - gen_before == 64 * 16
+    assert server.metric("tokenfactory:num_requests_running") == 0
+
+
+def test_metrics_and_usage_endpoint(server) -> None:
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
+                 "generation_tokens_total", "prefix_cache_queries_total", "prefix_cache_hits_total",
+                 "num_preemptions_total", "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
+                 "e2e_request_latency_seconds_bucket", "request_queue_time_seconds_bucket", "energy_joules_total"):
+        assert f"tokenfactory:{name}" in text
+    usage = httpx.get(server.url + "/v1/usage", params={"group_by": "model"}).json()
+    assert usage["data"][0]["key"] == MODEL and usage["data"][0]["num_requests"] > 0
+
+
+def test_overload_gets_503_with_retry_after(tmp_path) -> None:
+    s = start_server(tmp_path, "--max-waiting", "2", "--max-num-seqs", "1")
+    try:
+        async def run() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=s.url, timeout=300) as c:
+                return await asyncio.gather(*(c.post("/v1/completions", json={
+                    "model": MODEL, "prompt": "Go", "max_tokens": 40, "ignore_eos": True}) for _ in range(8)))
+        responses = asyncio.run(run())
+        codes = sorted(r.status_code for r in responses)
+        assert 200 in codes and 503 in codes and set(codes) <= {200, 503}
+        refused = next(r for r in responses if r.status_code == 503)
+        assert int(refused.headers["retry-after"]) > 0 and refused.json()["error"]["code"] == "overloaded"
+    finally:
+        s.stop()
+
+
+def test_sigterm_finishes_inflight_stream_then_exits(tmp_path) -> None:
+    s = start_server(tmp_path)
+    lines: list[str] = []
+    with httpx.stream("POST", s.url + "/v1/completions", json={
+            "model": MODEL, "prompt": "Tell a story", "max_tokens": 60, "ignore_eos": True, "stream": True},
+            timeout=120) as r:
+        for line in r.iter_lines():
+            if line and not lines:
+                s.proc.send_signal(signal.SIGTERM)
+            if line:
+                lines.append(line)
+    assert lines[-1] == "data: [DONE]" and len(lines) >= 60
+    assert s.proc.wait(60) == 0
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(s.url + "/health", timeout=2)
