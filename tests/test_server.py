@@ -230,6 +230,7 @@ def test_sigterm_finishes_inflight_stream_then_exits(tmp_path) -> None:
             if line:
                 lines.append(line)
     assert lines[-1] == "data: [DONE]" and len(lines) >= 60
-    assert s.proc.wait(60) == 0
+    # uvicorn finishes gracefully, then re-raises the captured SIGTERM so the exit status says why.
+    assert s.proc.wait(60) in (0, -signal.SIGTERM)
     with pytest.raises(httpx.ConnectError):
         httpx.get(s.url + "/health", timeout=2)
