@@ -74,10 +74,11 @@ class DecoderLayer(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         hidden = rms_norm(x, self.input_norm, self.eps)
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)  # (T, nh, d)
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)  # (T, nkv, d)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        qk, v = self.qkv_proj(hidden).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # One rotation for the query and key heads together: (T, nh + nkv, d)
+        qk = apply_rope(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # (T, nh, d), (T, nkv, d)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         attn = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # (T, nh, d)
         x = x + self.o_proj(attn.reshape(t, self.q_size))
         gate, up = self.gate_up_proj(rms_norm(x, self.post_norm, self.eps)).chunk(2, dim=-1)
