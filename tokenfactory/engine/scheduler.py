@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from tokenfactory.engine.fair import FairPolicy, JoulesFairPolicy
 from tokenfactory.engine.kv_cache import BlockManager, PrefixHit
 from tokenfactory.engine.sequence import Sequence, SequenceStatus
 from tokenfactory.types import FinishReason
@@ -63,7 +64,7 @@ class FCFSPolicy:
         pass
 
 
-POLICIES: dict[str, type] = {"fcfs": FCFSPolicy}
+POLICIES: dict[str, type] = {"fcfs": FCFSPolicy, "vtc": FairPolicy, "vtc-joules": JoulesFairPolicy}  # fair.py
 
 
 @dataclass(frozen=True)
