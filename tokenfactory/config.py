@@ -85,6 +85,10 @@ class EngineConfig:
     quantization: str = "none"
     seed: int = 0
     scheduling_policy: str = "fcfs"
+    # Speculative decoding: "none", "ngram", "draft:PATH" or "self-int4" (tokenfactory.engine.speculative,
+    # validated there); up to num_speculative_tokens drafted tokens per sequence and step.
+    speculative: str = "none"
+    num_speculative_tokens: int = 4
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -97,6 +101,9 @@ class EngineConfig:
             raise ParameterError("block_size", f"block_size must be a power of two, got {self.block_size}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ParameterError("max_model_len", f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ParameterError("num_speculative_tokens",
+                                 f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ParameterError("dtype", f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         mem = self.kv_cache_memory

@@ -25,6 +25,7 @@ from tokenfactory.engine.model_runner import ModelRunner
 from tokenfactory.engine.sampler import SampledToken, Sampler
 from tokenfactory.engine.scheduler import POLICIES, Scheduler, SchedulerOutput
 from tokenfactory.engine.sequence import Sequence
+from tokenfactory.engine.speculative import build_speculator
 from tokenfactory.models.loader import LoadedModel, load_model
 from tokenfactory.models.tokenizer import Tokenizer
 from tokenfactory.types import (
@@ -91,6 +92,7 @@ class LLMEngine:
                                   num_blocks=self.capacity.num_blocks, block_size=config.block_size,
                                   max_model_len=self.max_model_len, sampler=self.sampler,
                                   quantization=config.quantization, raw_gguf=loaded.raw_gguf)
+        self.speculator = build_speculator(config, loaded, self)
         self.requests: dict[str, RequestState] = {}
         self.step_listeners: list[Callable[[StepStats], None]] = []
         self.recent_steps: deque[StepStats] = deque(maxlen=1024)
@@ -153,6 +155,7 @@ class LLMEngine:
         for seq in state.seqs:
             self.scheduler.finish(seq, FinishReason.ABORT)
             self.sampler.release(seq.seq_id)
+            self.speculator.release(seq.seq_id)
 
     @property
     def has_unfinished_requests(self) -> bool:
@@ -171,29 +174,35 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         start = time.monotonic()
         preempted_before = self.scheduler.num_preemptions
-        sched = self.scheduler.schedule()
-        results: list[tuple[Sequence, SampledToken]] = []
+        sched = self.scheduler.schedule(self.speculator.propose(self.scheduler.running))
+        results: list[tuple[Sequence, list[SampledToken]]] = []
         if not sched.is_empty:
             results = self.runner.run(self.runner.prepare(sched, self.kv.seq_to_block_ids))
-        self.scheduler.update(sched, {seq.seq_id: tok.token_id for seq, tok in results})
-        outputs = self._process_outputs(sched, results)
+        num_tokens_before = {seq.seq_id: seq.num_tokens for seq, _ in results}
+        self.scheduler.update(sched, {seq.seq_id: [t.token_id for t in toks] for seq, toks in results})
+        outputs = self._process_outputs(sched, results, num_tokens_before)
         self._record_step(sched, start, self.scheduler.num_preemptions - preempted_before)
+        self.speculator.observe(sched, results, self.recent_steps[-1])
         return outputs
 
-    def _process_outputs(self, sched: SchedulerOutput, results: list[tuple[Sequence, SampledToken]]
-                         ) -> list[RequestOutput]:
+    def _process_outputs(self, sched: SchedulerOutput, results: list[tuple[Sequence, list[SampledToken]]],
+                         num_tokens_before: dict[str, int]) -> list[RequestOutput]:
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
         for chunk in sched.chunks:
             state = self.requests.get(chunk.seq.request_id)
             if state is not None and state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = chunk.seq.first_scheduled_time
-        for seq, tok in results:
+        for seq, toks in results:
             state = self.requests.get(seq.request_id)
             if state is None:
                 continue  # aborted
             touched[state.request_id] = state
-            self._append_text(state, seq, tok)
+            first = num_tokens_before[seq.seq_id]
+            # The scheduler appended toks up to a token-level stop; a stop string may end them sooner.
+            for i, tok in enumerate(toks[:seq.num_tokens - first]):
+                if self._append_text(state, seq, tok, first + i + 1):
+                    break
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
             state.metrics.last_token_time = now
@@ -209,10 +218,12 @@ class LLMEngine:
             outputs.append(out)
         return outputs
 
-    def _append_text(self, state: RequestState, seq: Sequence, tok: SampledToken) -> None:
+    def _append_text(self, state: RequestState, seq: Sequence, tok: SampledToken, num_tokens: int) -> bool:
+        """Detokenize one new token, the last of the sequence's first `num_tokens` (a speculative step
+        appends several). Returns True when a stop string ended the sequence at this token."""
         st = state.texts[seq.index]
         self.num_generation_tokens_total += 1
-        if seq.num_output_tokens == 1:
+        if num_tokens - seq.num_prompt_tokens == 1:
             self.num_prompt_tokens_total += seq.num_prompt_tokens
         piece = st.stream.step(tok.token_id)  # type: ignore[attr-defined]
         if tok.logprobs is not None:
@@ -220,12 +231,16 @@ class LLMEngine:
                                 for t, lp in tok.logprobs])
         if piece:
             st.text += piece
-        if seq.is_finished:
+        is_last = num_tokens == seq.num_tokens
+        if seq.is_finished and is_last:
             st.text += st.stream.flush() or ""  # type: ignore[attr-defined]  # bytes of an unfinished character
         if seq.params.stop and seq.finish_reason is not FinishReason.STOP:
-            self._check_stop_strings(st, seq, len(piece or ""))
+            if self._check_stop_strings(st, seq, len(piece or "")):
+                del seq.token_ids[num_tokens:]  # tokens a speculative step accepted after the stop
+                return True
+        return False
 
-    def _check_stop_strings(self, st: SeqText, seq: Sequence, num_new_chars: int) -> None:
+    def _check_stop_strings(self, st: SeqText, seq: Sequence, num_new_chars: int) -> bool:
         longest = max(len(s) for s in seq.params.stop)
         search_from = max(0, len(st.text) - num_new_chars - longest + 1)
         for stop in seq.params.stop:
@@ -233,10 +248,12 @@ class LLMEngine:
             if at != -1:
                 st.text = st.text[:at + len(stop)] if seq.params.include_stop_str_in_output else st.text[:at]
                 if seq.is_finished:
-                    seq.finish_reason = FinishReason.STOP  # the length limit and a stop string met at once
+                    # A length limit met at this token, or at a later (dropped) token of a speculative step.
+                    seq.finish_reason = FinishReason.STOP
                 else:
                     self.scheduler.finish(seq, FinishReason.STOP)
-                return
+                return True
+        return False
 
     def _make_output(self, state: RequestState) -> RequestOutput:
         completions = []

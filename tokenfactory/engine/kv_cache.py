@@ -157,6 +157,24 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_queue[block_id] = None
 
+    def trim(self, seq_id: str, num_tokens: int) -> None:
+        """Release the blocks past those covering the first `num_tokens` tokens: the slots of rejected
+        draft tokens. Those blocks were never hashed (only computed, accepted tokens are), so they go to
+        the front of the free queue and are reused first, ahead of blocks that may still be revived."""
+        table = self.seq_to_block_ids.get(seq_id)
+        if table is None:
+            return
+        keep = self.blocks_needed(num_tokens)
+        assert keep >= self.seq_to_num_hashed_blocks.get(seq_id, 0), "trim would drop a hashed block"
+        while len(table) > keep:
+            block_id = table.pop()
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+                self.free_queue.move_to_end(block_id, last=False)
+
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:

@@ -1,7 +1,9 @@
 """The only owner of tensors: the model's weights, the KV cache, and each step's inputs.
 
 `prepare(scheduler_output) -> ModelInputs` builds the flat batch on the host; `run(inputs)` does the
-device work and returns one sampled token per sequence that reached the end of its tokens.
+device work and returns the new tokens of each sequence that reached the end of its tokens: one sampled
+token, or, for a chunk carrying speculative draft tokens, the accepted drafts and one more (logits are
+computed at every position of such a chunk and the sampler verifies them).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from tokenfactory.engine.attention import AttentionMetadata, PrefillSpan
 from tokenfactory.engine.quant import apply_quantization
 from tokenfactory.engine.sampler import SampledToken, Sampler, SamplingBatch
 from tokenfactory.engine.scheduler import SchedulerOutput
-from tokenfactory.engine.sequence import Sequence
+from tokenfactory.engine.sequence import Draft, Sequence
 from tokenfactory.models.llama import MODEL_REGISTRY, LlamaForCausalLM, Rotary
 from tokenfactory.models.loader import RawGGUFTensors
 
@@ -30,6 +32,10 @@ class ModelInputs:
     sample_rows: torch.Tensor  # (S,) rows of the flat batch whose hidden state is sampled
     sample_seqs: list[Sequence]
     sampling: SamplingBatch | None
+    # Speculative chunks: k + 1 rows each (the last real token and the k drafts), in verify_seqs order.
+    verify_rows: torch.Tensor | None = None  # (R,)
+    verify_seqs: tuple[tuple[Sequence, Draft], ...] = ()
+    verify_sampling: SamplingBatch | None = None  # one row per verified position (a sequence repeated)
 
 
 class ModelRunner:
@@ -78,12 +84,18 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         spans: list[PrefillSpan] = []
+        verify_rows: list[int] = []
+        verify_seqs: list[tuple[Sequence, Draft]] = []
         bs = self.block_size
         for chunk in out.chunks:
             seq, ctx, n = chunk.seq, chunk.num_context_tokens, chunk.num_new_tokens
             table = block_tables[seq.seq_id]
             start = len(ids)
-            ids.extend(seq.token_ids[ctx:ctx + n])
+            ids.extend(seq.token_ids[ctx:ctx + n - chunk.num_draft_tokens])
+            if chunk.draft is not None:
+                ids.extend(chunk.draft.token_ids)
+                verify_rows.extend(range(start + n - chunk.num_draft_tokens - 1, start + n))
+                verify_seqs.append((seq, chunk.draft))
             pos.extend(range(ctx, ctx + n))
             if n == 1:
                 decode_tables.append(table)
@@ -94,7 +106,7 @@ class ModelRunner:
                 p = torch.arange(ctx, ctx + n)
                 slots.append(table_t[p // bs] * bs + p % bs)
                 spans.append(PrefillSpan(start, n, ctx, table_t.to(self.device)))
-            if chunk.samples:
+            if chunk.samples and chunk.draft is None:
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(seq)
         meta = AttentionMetadata(
@@ -109,7 +121,11 @@ class ModelRunner:
             meta=meta,
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
             sample_seqs=sample_seqs,
-            sampling=self.sampler.prepare(sample_seqs) if sample_seqs else None)
+            sampling=self.sampler.prepare(sample_seqs) if sample_seqs else None,
+            verify_rows=torch.tensor(verify_rows, dtype=torch.long, device=self.device) if verify_rows else None,
+            verify_seqs=tuple(verify_seqs),
+            verify_sampling=self.sampler.prepare(
+                [seq for seq, d in verify_seqs for _ in range(len(d.token_ids) + 1)]) if verify_seqs else None)
 
     def _pad_tables(self, tables: list[list[int]]) -> torch.Tensor | None:
         if not tables:
@@ -125,10 +141,21 @@ class ModelRunner:
         return (keys < torch.tensor(lens, device=self.device).unsqueeze(1)).view(len(lens), 1, width)
 
     @torch.inference_mode()
-    def run(self, inputs: ModelInputs) -> list[tuple[Sequence, SampledToken]]:
+    def run(self, inputs: ModelInputs) -> list[tuple[Sequence, list[SampledToken]]]:
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)  # (T, h)
-        if inputs.sampling is None:
-            return []
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])  # (S, V)
-        tokens = self.sampler.sample(logits, inputs.sampling)
-        return list(zip(inputs.sample_seqs, tokens, strict=True))
+        results: list[tuple[Sequence, list[SampledToken]]] = []
+        if inputs.sampling is not None:
+            logits = self.model.compute_logits(hidden[inputs.sample_rows])  # (S, V)
+            tokens = self.sampler.sample(logits, inputs.sampling)
+            results.extend((seq, [tok]) for seq, tok in zip(inputs.sample_seqs, tokens, strict=True))
+        if inputs.verify_sampling is not None:
+            logits = self.model.compute_logits(hidden[inputs.verify_rows])  # (R, V)
+            accepted = self.sampler.verify(logits, inputs.verify_sampling, [d for _, d in inputs.verify_seqs])
+            results.extend((seq, toks) for (seq, _), toks in zip(inputs.verify_seqs, accepted, strict=True))
+        return results
+
+    @torch.inference_mode()
+    def logits(self, inputs: ModelInputs) -> torch.Tensor:
+        """Run the step and return the logits (S, V) of its sampling rows without sampling (draft models)."""
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)  # (T, h)
+        return self.model.compute_logits(hidden[inputs.sample_rows])

@@ -5,6 +5,10 @@ whatever else shares its batch.
 Order of operations per row (as in vLLM): penalties -> min_tokens mask -> (logprobs taken here) ->
 temperature -> top-k -> top-p -> min-p -> sample. Greedy rows take the argmax after the penalties.
 Sampling draws one uniform per row from the row's generator and inverts the row's CDF.
+
+`verify(logits, batch, drafts)` checks speculative draft tokens against the target's distributions at
+each drafted position: greedy rows accept the longest prefix equal to the argmax; sampled rows use
+rejection sampling (`rejection_sample`), which leaves the output distribution exactly the target's.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenfactory.engine.sequence import Sequence
+from tokenfactory.engine.sequence import Draft, Sequence
 
 
 @dataclass(frozen=True)
@@ -88,13 +92,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> list[SampledToken]:
         """logits (S, V) float32 -> one token per row."""
-        logits = logits.float()
-        if batch.penalties or batch.banned:
-            logits = logits.clone()
-            for pen in batch.penalties:
-                apply_penalties(logits[pen.row], pen)
-            for row, ids in batch.banned:
-                logits[row, ids] = float("-inf")
+        logits = _penalised(logits.float(), batch)
         logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in batch.num_logprobs) else None
         if batch.all_greedy:
             token_ids = logits.argmax(dim=-1).tolist()
@@ -103,8 +101,32 @@ class Sampler:
         return [SampledToken(t, _row_logprobs(logprobs, row, t, batch.num_logprobs[row]))
                 for row, t in enumerate(token_ids)]
 
-    def _sample_random(self, logits: torch.Tensor, batch: SamplingBatch) -> list[int]:
-        greedy_ids = logits.argmax(dim=-1).tolist()
+    def verify(self, logits: torch.Tensor, batch: SamplingBatch, drafts: list[Draft]) -> list[list[SampledToken]]:
+        """logits (R, V): for each draft of k tokens, k + 1 consecutive rows (the target's distributions
+        after the last real token and after each draft token); `batch` has one row per logits row.
+        Returns per draft the accepted draft tokens followed by one token from the target (a correction
+        at the first rejection, or a bonus token when all k are accepted): between 1 and k + 1 tokens."""
+        logits = _penalised(logits.float(), batch)
+        logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in batch.num_logprobs) else None
+        argmax = logits.argmax(dim=-1).tolist()
+        probs = None if batch.all_greedy else self.probs(logits, batch)  # (R, V)
+        out: list[list[SampledToken]] = []
+        row = 0
+        for draft in drafts:
+            k = len(draft.token_ids)
+            if batch.temperatures[row] < 1e-5:
+                tokens = greedy_accept(argmax[row:row + k + 1], draft.token_ids)
+            else:
+                assert probs is not None
+                tokens = rejection_sample(probs[row:row + k + 1], draft, batch.generators[row])
+            out.append([SampledToken(t, _row_logprobs(logprobs, row + i, t, batch.num_logprobs[row + i]))
+                        for i, t in enumerate(tokens)])
+            row += k + 1
+        return out
+
+    def probs(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The distributions sampled rows draw from: logits (S, V) after penalties -> probs (S, V)
+        after temperature, top-k, top-p and min-p (greedy rows come out near one-hot)."""
         temps = torch.tensor([max(t, 1e-5) for t in batch.temperatures], dtype=logits.dtype,
                              device=logits.device)
         logits = logits / temps.unsqueeze(1)
@@ -113,6 +135,11 @@ class Sampler:
         if any(m > 0 for m in batch.min_ps):
             min_ps = torch.tensor(batch.min_ps, dtype=probs.dtype, device=probs.device).unsqueeze(1)
             probs = probs.masked_fill(probs < min_ps * probs.amax(dim=-1, keepdim=True), 0.0)
+        return probs
+
+    def _sample_random(self, logits: torch.Tensor, batch: SamplingBatch) -> list[int]:
+        greedy_ids = logits.argmax(dim=-1).tolist()
+        probs = self.probs(logits, batch)  # (S, V)
         # Inverse-CDF sampling: one uniform draw per row from the row's own generator (so a seeded row is
         # reproducible whatever shares its batch), then one batched cumsum + searchsorted over (S, V).
         # A zero-probability token owns an empty CDF interval, so it can never be drawn.
@@ -122,6 +149,62 @@ class Sampler:
         targets = (uniforms.to(cdf.device) * cdf[:, -1]).unsqueeze(1)  # (S, 1)
         sampled = torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1).tolist()
         return [greedy_ids[row] if temp < 1e-5 else sampled[row] for row, temp in enumerate(batch.temperatures)]
+
+
+def _penalised(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    if batch.penalties or batch.banned:
+        logits = logits.clone()
+        for pen in batch.penalties:
+            apply_penalties(logits[pen.row], pen)
+        for row, ids in batch.banned:
+            logits[row, ids] = float("-inf")
+    return logits
+
+
+def greedy_accept(argmax_ids: list[int], draft_ids: list[int]) -> list[int]:
+    """argmax_ids (k + 1): the target's choice at each drafted position. Accept drafts while they equal
+    it, then take the target's own token: exactly what k + 1 greedy steps would produce."""
+    accepted: list[int] = []
+    for target, drafted in zip(argmax_ids, draft_ids, strict=False):
+        if target != drafted:
+            break
+        accepted.append(drafted)
+    return accepted + [argmax_ids[len(accepted)]]
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from probs (V,) (need not sum to 1) by inverting its CDF with one uniform draw."""
+    cdf = probs.double().cumsum(dim=-1)  # (V,)
+    u = float(torch.rand(1, generator=generator, dtype=torch.float64))
+    return min(int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64),
+                                      right=True)), probs.shape[0] - 1)
+
+
+def rejection_sample(p: torch.Tensor, draft: Draft, generator: torch.Generator) -> list[int]:
+    """Speculative sampling (Leviathan et al. 2023, Alg. 1; Chen et al. 2023, Alg. 2).
+
+    p (k + 1, V): the target's distributions at the k drafted positions and after the last one;
+    q = draft.probs (k, V): what the draft drew each token x_i from (None: a point mass on x_i).
+    Accept x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection emit a token from
+    norm(max(0, p_i - q_i)) and stop; if all k are accepted emit a bonus token from p_k. Every emitted
+    token is then distributed exactly as p (the theorem of both papers), whatever q is."""
+    q = draft.probs
+    out: list[int] = []
+    for i, x in enumerate(draft.token_ids):
+        p_x = float(p[i, x])
+        q_x = 1.0 if q is None else float(q[i, x])
+        u = float(torch.rand(1, generator=generator, dtype=torch.float64))
+        if u * q_x < p_x:  # u < p/q, i.e. accepted with probability min(1, p/q)
+            out.append(x)
+            continue
+        if q is None:
+            residual = p[i].clone()
+            residual[x] = 0.0  # max(0, p - onehot(x)): p with x removed
+        else:
+            residual = (p[i] - q[i].to(p.dtype)).clamp_(min=0.0)
+        out.append(draw(residual if float(residual.sum()) > 0 else p[i], generator))
+        return out
+    return out + [draw(p[len(out)], generator)]
 
 
 def apply_penalties(row_logits: torch.Tensor, pen: RowPenalty) -> None:

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from tokenfactory.engine.fair import FairPolicy, JoulesFairPolicy
 from tokenfactory.engine.kv_cache import BlockManager, PrefixHit
-from tokenfactory.engine.sequence import Sequence, SequenceStatus
+from tokenfactory.engine.sequence import Draft, Sequence, SequenceStatus
 from tokenfactory.types import FinishReason
 
 
@@ -72,15 +72,23 @@ class ScheduledChunk:
     seq: Sequence
     num_new_tokens: int
     num_context_tokens: int  # already in the KV cache before this step
+    # Speculative tokens appended after the sequence's last token (counted in num_new_tokens): the step
+    # computes logits at each of them and the sampler verifies them.
+    draft: Draft | None = None
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return 0 if self.draft is None else len(self.draft.token_ids)
 
     @property
     def is_prefill(self) -> bool:
-        return self.num_new_tokens > 1 or self.num_context_tokens < self.seq.num_prompt_tokens
+        return (self.num_new_tokens - self.num_draft_tokens > 1
+                or self.num_context_tokens < self.seq.num_prompt_tokens)
 
     @property
     def samples(self) -> bool:
         """This chunk reaches the end of the sequence's tokens, so the step samples a next token."""
-        return self.num_context_tokens + self.num_new_tokens == self.seq.num_tokens
+        return self.num_context_tokens + self.num_new_tokens - self.num_draft_tokens == self.seq.num_tokens
 
 
 @dataclass
@@ -121,14 +129,21 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.add(seq)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: dict[str, Draft] | None = None) -> SchedulerOutput:
+        """`drafts`: speculative tokens per decoding sequence; each is scheduled if the budget and the KV
+        pool allow it right away (a draft never preempts anyone), else dropped or shortened."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        scheduled: set[str] = set()
+        drafts = drafts or {}
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if (chunk := self._try_draft(seq, drafts.get(seq.seq_id), num_new, budget)) is not None:
+                out.chunks.append(chunk)
+                budget -= chunk.num_new_tokens
+                i += 1
+                continue
             while not self.kv.allocate(seq.seq_id, seq.num_computed_tokens + num_new):
                 victim = self.running.pop()
                 self._preempt(victim, out)
@@ -136,7 +151,6 @@ class Scheduler:
                     break
             else:
                 out.chunks.append(ScheduledChunk(seq, num_new, seq.num_computed_tokens))
-                scheduled.add(seq.seq_id)
                 budget -= num_new
                 i += 1
                 continue
@@ -148,6 +162,14 @@ class Scheduler:
         # Decodes first, then prefills: the model runner batches the decodes' attention together.
         out.chunks.sort(key=lambda c: c.num_new_tokens > 1)
         return out
+
+    def _try_draft(self, seq: Sequence, draft: Draft | None, num_new: int, budget: int) -> ScheduledChunk | None:
+        if draft is None or num_new != 1 or seq.num_tokens - seq.num_computed_tokens != 1:
+            return None
+        k = min(len(draft.token_ids), budget - 1)
+        if k < 1 or not self.kv.allocate(seq.seq_id, seq.num_computed_tokens + 1 + k):
+            return None
+        return ScheduledChunk(seq, 1 + k, seq.num_computed_tokens, draft.head(k))
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         for seq in self.waiting:
@@ -184,24 +206,32 @@ class Scheduler:
         self.waiting.add_preempted(seq)
         out.preempted.append(seq)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
-        """Apply a step's results: advance progress, cache newly full blocks, append sampled tokens,
-        and finish sequences that hit a token-level stop. Returns the sequences finished here."""
+    def update(self, out: SchedulerOutput, sampled: Mapping[str, int | list[int]]) -> list[Sequence]:
+        """Apply a step's results: advance progress, append sampled tokens (the accepted draft tokens
+        and one more, for a speculative chunk), cache newly full blocks, release the rejected draft
+        tokens' slots, and finish sequences that hit a token-level stop (dropping tokens after it).
+        Returns the sequences finished here."""
         finished: list[Sequence] = []
         for chunk in out.chunks:
             seq = chunk.seq
             if seq.is_finished:
                 continue  # aborted while the step ran
-            seq.num_computed_tokens += chunk.num_new_tokens
-            self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-            token = sampled.get(seq.seq_id)
-            if token is None:
-                continue
-            seq.token_ids.append(token)
-            reason = self._stop_reason(seq, token)
+            got = sampled.get(seq.seq_id, [])
+            tokens = [got] if isinstance(got, int) else got  # one sampled token, or a speculative step's
+            # Accepted drafts = tokens - 1; their KV is valid, the rejected ones' is not.
+            num_rejected = chunk.num_draft_tokens - max(len(tokens) - 1, 0)
+            seq.num_computed_tokens += chunk.num_new_tokens - num_rejected
+            reason = None
+            for token in tokens:
+                seq.token_ids.append(token)
+                if (reason := self._stop_reason(seq, token)) is not None:
+                    break
+            self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, min(seq.num_computed_tokens, seq.num_tokens))
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)
+            elif num_rejected:
+                self.kv.trim(seq.seq_id, seq.num_tokens)
         return finished
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:

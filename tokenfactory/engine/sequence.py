@@ -9,7 +9,25 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import torch
+
 from tokenfactory.types import FinishReason, SamplingParams
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Tokens proposed for a sequence by a speculative proposer, to be verified by the target model.
+
+    `probs` (k, V) is the distribution each token was drawn from (a draft model sampling a request with
+    temperature > 0); None means the tokens were chosen deterministically (n-gram lookup, or a draft
+    model's argmax), i.e. each is a point mass, q(x) = 1 for the drafted x."""
+
+    token_ids: list[int]
+    probs: torch.Tensor | None = None  # (k, V) float32
+
+    def head(self, k: int) -> Draft:
+        return self if k >= len(self.token_ids) else Draft(self.token_ids[:k],
+                                                           None if self.probs is None else self.probs[:k])
 
 
 class SequenceStatus(enum.Enum):
