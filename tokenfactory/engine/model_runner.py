@@ -8,6 +8,7 @@ computed at every position of such a chunk and the sampler verifies them).
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,26 @@ class ModelInputs:
     verify_sampling: SamplingBatch | None = None  # one row per verified position (a sequence repeated)
 
 
+# Anonymous mappings above glibc's largest mmap threshold (32 MiB on 64-bit) are fresh zero pages.
+FRESH_MMAP_BYTES = 64 << 20
+
+
+def allocate_kv_pool(shape: tuple[int, ...], num_layers: int, dtype: torch.dtype,
+                     device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One allocation for every layer's K and V, as (k, v) views per layer.
+
+    The pool must hold finite values: padded block-table entries are read (then masked), and NaN * 0 is
+    NaN. Recycled memory can hold any bit pattern, so the pool is zeroed — except a large CPU pool on
+    Linux, which is a fresh anonymous mapping (zero pages, touched lazily), where zeroing it would cost
+    seconds of start-up and all its memory at once.
+    """
+    pool_shape = (num_layers, 2, *shape)
+    nbytes = torch.Size(pool_shape).numel() * torch.tensor([], dtype=dtype).element_size()
+    lazy_zero = device.type == "cpu" and sys.platform == "linux" and nbytes >= FRESH_MMAP_BYTES
+    pool = (torch.empty if lazy_zero else torch.zeros)(pool_shape, dtype=dtype, device=device)
+    return [(pool[i, 0], pool[i, 1]) for i in range(num_layers)]
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor], *, device: torch.device,
                  dtype: torch.dtype, num_blocks: int, block_size: int, max_model_len: int,
@@ -57,12 +78,7 @@ class ModelRunner:
         model.rotary = Rotary(model_config, max_model_len).to(device)
         self.model: LlamaForCausalLM = model
         shape = (model_config.num_kv_heads, num_blocks, block_size, model_config.head_dim)
-        # Padded block-table entries are read (then masked), and NaN * 0 is NaN, so the cache must hold
-        # finite values. A fresh large CPU allocation is mmap'ed zero pages, touched lazily (allocating
-        # 2 GiB with torch.zeros costs seconds at start-up); GPU memory must be zeroed explicitly.
-        alloc = torch.zeros if device.type == "cuda" else torch.empty
-        self.kv_caches = [(alloc(shape, dtype=dtype, device=device), alloc(shape, dtype=dtype, device=device))
-                          for _ in range(model_config.num_layers)]
+        self.kv_caches = allocate_kv_pool(shape, model_config.num_layers, dtype, device)
 
     @property
     def weight_bytes(self) -> int:
