@@ -14,6 +14,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "tokenfactory.meter.cli",  # usage
     "tokenfactory.planner.cli",  # plan, doctor
     "tokenfactory.bench.cli",  # bench offline | serve | sweep | compare | report
+    "tokenfactory.tenants.cli",  # tenants add|list|update|remove, keys create|list|revoke
 )
 
 
