@@ -35,6 +35,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache size: bytes (2GiB) or a fraction of free memory (0.5)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--speculative", default="none",
+                   help="speculative decoding: none, ngram, draft:PATH or self-int4 (docs/speculative.md)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="most draft tokens per sequence and step")
 
 
 def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201 - EngineConfig (imported lazily)
@@ -43,7 +46,8 @@ def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201 - EngineC
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                        enable_prefix_caching=not args.no_prefix_caching, seed=args.seed)
+                        enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
+                        speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -52,6 +52,60 @@ class EngineCollector(Collector):
         yield counter("num_preemptions", "Sequences preempted (by recompute) for lack of KV blocks.",
                       e.scheduler.num_preemptions)
         yield counter("engine_steps", "Engine steps run.", e.num_steps)
+        yield from speculative_metrics(e, self.model_name)
+
+
+def speculative_metrics(e: LLMEngine, model_name: str) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """Speculative decoding (vLLM's spec_decode names where they exist): counters, acceptance by draft
+    position, the estimated time saved, and the current on/off decision with the evidence behind it."""
+    m = e.speculator.metrics()
+    if m is None:
+        return
+    labels, values = ["model_name", "method"], [model_name, m.method]
+    for name, doc, value in (
+            ("spec_decode_num_drafts", "Verified drafts (one per sequence and step).", m.num_drafts),
+            ("spec_decode_num_draft_tokens", "Draft tokens verified.", m.num_draft_tokens),
+            ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", m.num_accepted_tokens),
+            ("spec_decode_num_emitted_tokens", "Tokens emitted by speculative steps (accepted + one).",
+             m.num_emitted_tokens),
+            ("spec_decode_time_saved_seconds", "Estimated decode time saved (can be negative).", m.time_saved_s)):
+        c = CounterMetricFamily(P + name, doc, labels=labels)
+        c.add_metric(values, value)
+        yield c
+    by_pos = CounterMetricFamily(P + "spec_decode_num_accepted_tokens_per_pos",
+                                 "Draft tokens accepted, by position in the draft (0 = first).",
+                                 labels=[*labels, "position"])
+    drafted = CounterMetricFamily(P + "spec_decode_num_draft_tokens_per_pos",
+                                  "Draft tokens verified, by position in the draft.", labels=[*labels, "position"])
+    for pos, (acc, dr) in enumerate(zip(m.accepted_by_position, m.drafted_by_position, strict=True)):
+        by_pos.add_metric([*values, str(pos)], acc)
+        drafted.add_metric([*values, str(pos)], dr)
+    yield by_pos
+    yield drafted
+    for name, doc, value in (
+            ("spec_decode_enabled", "1 while drafting pays at the current batch size (the decision).",
+             float(m.enabled)),
+            ("spec_decode_acceptance_rate", "Per-token draft acceptance, exponentially weighted (evidence).",
+             m.acceptance_rate),
+            ("spec_decode_break_even_acceptance", "Acceptance a first draft token needs at the current batch.",
+             m.break_even_acceptance),
+            ("spec_decode_break_even_batch", "Largest batch at which drafting pays at the current acceptance.",
+             m.break_even_batch),
+            ("spec_decode_batch_size", "Batch size the decision was last taken at.", m.batch_size),
+            ("spec_decode_step_base_seconds", "Cost model: fixed seconds per step.", m.step_base_s),
+            ("spec_decode_step_per_token_seconds", "Cost model: seconds per token in a step.", m.step_per_token_s),
+            ("spec_decode_step_per_draft_sequence_seconds", "Cost model: extra seconds per drafting sequence.",
+             m.step_per_span_s),
+            ("spec_decode_draft_per_token_seconds", "Cost model: proposer seconds per draft token.",
+             m.draft_per_token_s),
+            ("spec_decode_num_speculative_tokens", "Configured most draft tokens per step.",
+             m.num_speculative_tokens)):
+        g = GaugeMetricFamily(P + name, doc, labels=labels)
+        g.add_metric(values, value)
+        yield g
+    c = CounterMetricFamily(P + "spec_decode_decision_changes", "Times the on/off decision changed.", labels=labels)
+    c.add_metric(values, m.num_decision_changes)
+    yield c
 
 
 class MeterCollector(Collector):
