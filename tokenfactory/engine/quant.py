@@ -88,7 +88,7 @@ class QuantOptions:
             raise ParameterError("dense", f"dense must be one of {', '.join(DENSE_PATHS)}, got {self.dense!r}")
 
 
-def llama_linear_sources(model: nn.Module) -> dict[str, list[str]]:
+def llama_linear_sources(model: nn.Module, available: Mapping[str, object]) -> dict[str, list[str]]:
     """Module path of each linear layer -> the Hugging Face tensors its rows are made of, in order."""
     cfg = model.cfg
     paths: dict[str, list[str]] = {}
@@ -98,8 +98,10 @@ def llama_linear_sources(model: nn.Module) -> dict[str, list[str]]:
         paths[f"layers.{i}.o_proj"] = [a + "o_proj.weight"]
         paths[f"layers.{i}.gate_up_proj"] = [m + "gate_proj.weight", m + "up_proj.weight"]
         paths[f"layers.{i}.down_proj"] = [m + "down_proj.weight"]
-    # Tied: the LM head is the embedding matrix, quantized as the head (the embedding stays dense).
-    paths["lm_head"] = ["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+    # Tied: the LM head is the embedding matrix, quantized as the head (the embedding stays dense), unless
+    # a quantized file stored the head apart.
+    tied = cfg.tie_word_embeddings and "lm_head.weight" not in available
+    paths["lm_head"] = ["model.embed_tokens.weight" if tied else "lm_head.weight"]
     return paths
 
 
@@ -118,7 +120,7 @@ def plan_quantization(model: nn.Module, scheme: Scheme, sources: Mapping[str, Qu
                       options: QuantOptions) -> dict[str, QuantizedWeight]:
     """Module path -> the weight it will hold. Raises ValueError (naming the layer) before anything changes."""
     plan: dict[str, QuantizedWeight] = {}
-    for path, names in llama_linear_sources(model).items():
+    for path, names in llama_linear_sources(model, sources).items():
         if path == "lm_head" and not options.quantize_lm_head:
             continue
         parts = [sources.get(n) for n in names]

