@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenfactory.engine.async_engine import AddRequest, AsyncEngine, EngineDeadError
 from tokenfactory.gateway.accounting import Accounting
+from tokenfactory.gateway.admin import Tenancy, tenant_totals
 from tokenfactory.gateway.metrics import ServerMetrics
 from tokenfactory.gateway.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from tokenfactory.gateway.render import Choice, render_chat, render_completion, usage_dict
@@ -80,10 +81,11 @@ class BodySizeLimit:
 
 
 def build_app(engine: AsyncEngine, settings: ServerSettings, accounting: Accounting | None = None,
-              on_shutdown: Callable[[], None] | None = None) -> FastAPI:
+              on_shutdown: Callable[[], None] | None = None, tenancy: Tenancy | None = None) -> FastAPI:
     metrics = ServerMetrics(engine.engine, settings.served_model_name, lambda: engine.num_waiting,
                             accounting.meter if accounting else None)
-    handler = Handler(engine, settings, metrics, accounting)
+    tenancy = tenancy if tenancy is not None else Tenancy(None)  # None: auth off, no limits
+    handler = Handler(engine, settings, metrics, accounting, tenancy)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -95,6 +97,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, accounting: Account
     app.state.handler = handler
     app.state.metrics = metrics
     install_error_handlers(app, metrics, settings.served_model_name)
+    tenancy.install(app, lambda status: metrics.errors.labels(settings.served_model_name, str(status)).inc())
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -115,10 +118,11 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, accounting: Account
             "owned_by": "tokenfactory", "root": e.model_path, "max_model_len": e.max_model_len}]}
 
     @app.get("/v1/usage")
-    async def usage(since: str | None = None, group_by: str | None = None) -> dict:
+    async def usage(request: Request, since: str | None = None, group_by: str | None = None,
+                    tenant: str | None = None) -> dict:
         if accounting is None:
             raise APIError(404, "usage is not recorded by this server (it runs without a ledger)", "not_found_error")
-        return await handler.usage(since, group_by)
+        return await handler.usage(since, group_by, tenancy.usage_tenant(request, tenant))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -186,8 +190,9 @@ class Prepared:
 
 class Handler:
     def __init__(self, engine: AsyncEngine, settings: ServerSettings, metrics: ServerMetrics,
-                 accounting: Accounting | None = None) -> None:
+                 accounting: Accounting | None = None, tenancy: Tenancy | None = None) -> None:
         self.engine, self.settings, self.metrics, self.accounting = engine, settings, metrics, accounting
+        self.tenancy = tenancy if tenancy is not None else Tenancy(None)
         self.background: set[asyncio.Task] = set()
         self.num_reserved = 0
         self.started = time.time()
@@ -275,7 +280,10 @@ class Handler:
                     echo: bool = False) -> Response:
         self.check_capacity(len(prepared))
         request_id = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}"
-        adds = [AddRequest(f"{request_id}-{i}", p.token_ids, p.text, p.params, time.monotonic(), "anonymous", 0)
+        # Tenancy (admin.py): the caller's limits are checked and its worst case reserved; settle() releases.
+        worst_tokens = sum(len(p.token_ids) + p.params.n * (p.params.max_tokens or 0) for p in prepared)
+        tenant, priority = self.tenancy.admit(request, request_id, worst_tokens)
+        adds = [AddRequest(f"{request_id}-{i}", p.token_ids, p.text, p.params, time.monotonic(), tenant, priority)
                 for i, p in enumerate(prepared)]
         render = render_chat if kind == "chat.completion" else render_completion
         if body.stream:
@@ -305,10 +313,14 @@ class Handler:
     async def settle(self, request_id: str, adds: list[AddRequest], finals: list[RequestOutput | None],
                      status: str) -> dict:
         """Meter and ledger for the request; awaited before the response's last byte."""
-        if self.accounting is None:
-            return {}
-        return await self.accounting.settle(request_id, [a.request_id for a in adds], finals, status,
-                                            tenant=adds[0].tenant)
+        extra: dict = {}
+        try:
+            if self.accounting is not None:
+                extra = await self.accounting.settle(request_id, [a.request_id for a in adds], finals, status,
+                                                     tenant=adds[0].tenant)
+        finally:
+            self.tenancy.settle(request_id, finals, extra)  # actual use replaces the reservation
+        return extra
 
     def settle_later(self, request_id: str, adds: list[AddRequest], finals: list[RequestOutput | None],
                      status: str) -> None:
@@ -344,7 +356,8 @@ class Handler:
             for t in tasks:
                 t.cancel()
 
-    async def usage(self, since: str | None, group_by: str | None) -> dict:
+    async def usage(self, since: str | None, group_by: str | None, tenant: str | None = None) -> dict:
+        """Totals from the ledger; `tenant`: only that tenant's rows (what a tenant's key may read)."""
         from tokenfactory.meter.cli import parse_since
 
         assert self.accounting is not None
@@ -354,8 +367,11 @@ class Handler:
             since_dt = parse_since(since) if since else None
         except ValueError as e:
             raise ParameterError("since", str(e)) from e
-        rows = await asyncio.to_thread(self.accounting.ledger.totals, since=since_dt, group_by=group_by)
-        return {"object": "usage", "group_by": group_by, "since": since,
+        if tenant is not None:
+            rows = await asyncio.to_thread(tenant_totals, self.accounting.ledger, tenant, since_dt, group_by)
+        else:
+            rows = await asyncio.to_thread(self.accounting.ledger.totals, since=since_dt, group_by=group_by)
+        return {"object": "usage", "group_by": group_by, "since": since, "tenant": tenant,
                 "data": [dataclasses.asdict(r) for r in rows]}
 
     def unwrap(self, gathered: asyncio.Future) -> list[RequestOutput]:
