@@ -38,6 +38,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", default="none",
                    help="speculative decoding: none, ngram, draft:PATH or self-int4 (docs/speculative.md)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="most draft tokens per sequence and step")
+    p.add_argument("--scheduling-policy", default="fcfs",
+                   help="waiting-queue order: fcfs, vtc (priority bands + weighted fair share in tokens) or "
+                        "vtc-joules (the same, counted in measured joules); see docs/tenants.md")
 
 
 def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201 - EngineConfig (imported lazily)
@@ -47,7 +50,8 @@ def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201 - EngineC
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
-                        speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
+                        speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+                        scheduling_policy=getattr(args, "scheduling_policy", "fcfs"))
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -67,6 +71,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prices", default=None, help="a prices TOML file merged over the dated defaults")
     p.add_argument("--device-profile", default=None, help="the prices file's device profile (default: matched)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--auth", action="store_true",
+                   help="require API keys (tenants and keys in --data-dir; see `tokenfactory tenants` and `keys`)")
     p.set_defaults(func=serve)
 
 
@@ -149,7 +155,8 @@ def serve(args: argparse.Namespace) -> int:
 
     settings = ServerSettings(served_model_name=name, max_waiting=args.max_waiting,
                               max_body_bytes=int(args.max_body_bytes))
-    app = build_app(async_engine, settings, accounting, on_shutdown=shutdown)
+    tenancy, auth_line = build_tenancy(args, engine, accounting)
+    app = build_app(async_engine, settings, accounting, on_shutdown=shutdown, tenancy=tenancy)
     cap = engine.capacity
     print(f"tokenfactory serving {name}\n"
           f"  model   {engine.model_path}\n"
@@ -160,8 +167,27 @@ def serve(args: argparse.Namespace) -> int:
           f"  power   {power}\n"
           f"  prices  {prices}\n"
           f"  ledger  {accounting.ledger.url}\n"
-          f"  auth    off (anyone who can reach the port can use it)\n"
+          f"  auth    {auth_line}\n"
           f"  url     http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                 timeout_graceful_shutdown=30)
     return 0
+
+
+def build_tenancy(args: argparse.Namespace, engine, accounting):  # noqa: ANN001, ANN201 - (Tenancy, banner line)
+    """Auth (with --auth), admission limits and budgets, and the fair-share policy's weights and joules."""
+    from tokenfactory.engine.fair import attach_energy
+    from tokenfactory.gateway.admin import Tenancy
+    from tokenfactory.gateway.admission import Admission
+    from tokenfactory.tenants.store import TenantStore
+
+    policy = engine.scheduler.waiting
+    attach_energy(engine, accounting.meter.source)  # only if the policy counts joules
+    if not args.auth:
+        return (Tenancy(None, Admission(accounting.ledger), policy),
+                f"off (anyone who can reach the port can use it); scheduling {args.scheduling_policy}")
+    store = TenantStore(accounting.ledger.engine)
+    num_tenants, num_admin = len(store.list_tenants()), sum(k.is_admin for k in store.list_keys())
+    hint = "" if num_admin else "; no admin key yet: `tokenfactory keys create --admin`"
+    return (Tenancy(store, Admission(accounting.ledger), policy),
+            f"on: API keys required ({num_tenants} tenants){hint}; scheduling {args.scheduling_policy}")
