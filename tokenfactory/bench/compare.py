@@ -45,6 +45,13 @@ class LaunchOptions:
     max_concurrency: int
     extra_args: dict[str, list[str]]  # engine -> extra command-line arguments
     data_dir: Path  # our server's ledger of the benchmark's requests (kept apart from the user's)
+    threads: int | None = None  # CPU threads for every engine (OMP_NUM_THREADS, llama-server -t); None: theirs
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.threads is not None:
+            env |= {"OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads)}
+        return env
 
 
 @dataclass(frozen=True)
@@ -71,8 +78,9 @@ def _llama_server(o: LaunchOptions, port: int) -> list[str] | None:
     if exe is None:
         return None
     slots = max(o.max_concurrency, 1)  # llama-server splits -c among -np slots
+    threads = ["-t", str(o.threads)] if o.threads is not None else []
     return [exe, "-m", str(o.model_path), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
-            "-c", str(o.max_model_len * slots), *o.extra_args.get("llama-server", [])]
+            "-c", str(o.max_model_len * slots), *threads, *o.extra_args.get("llama-server", [])]
 
 
 def _vllm(o: LaunchOptions, port: int) -> list[str] | None:
@@ -100,11 +108,12 @@ def free_port() -> int:
 class ServerProcess:
     """A server started for the comparison: its log file, its pid, and a clean stop."""
 
-    def __init__(self, name: str, command: list[str], log_path: Path) -> None:
+    def __init__(self, name: str, command: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         self.name, self.command, self.log_path = name, command, log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = log_path.open("wb")
-        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                                        env=env)
 
     @property
     def pid(self) -> int:
@@ -155,6 +164,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=2048)
     g.add_argument("--engine-args", action="append", default=[], metavar="ENGINE='ARGS'",
                    help="extra arguments for one engine, e.g. tokenfactory='--max-num-seqs 32' (repeatable)")
+    g.add_argument("--engine-threads", type=int, default=None,
+                   help="CPU threads for every started engine (OMP_NUM_THREADS; llama-server -t); default: theirs")
     g.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for an engine's /health")
     g.add_argument("--api-key", default=None, help="for --target servers that need one")
     add_workload_arguments(parser)
@@ -213,9 +224,12 @@ def main(args: argparse.Namespace) -> int:
     model_path = Path(args.model_path).expanduser() if args.model_path else bundled_model_path()
     if not model_path.exists():
         raise ParameterError("model_path", f"--model-path {model_path} does not exist")
+    if args.engine_threads is not None and args.engine_threads < 1:
+        raise ParameterError("engine_threads", f"--engine-threads must be >= 1, got {args.engine_threads}")
     options = LaunchOptions(model_path, args.max_model_len, max(c for c, _ in levels),
                             parse_engine_args(args.engine_args),
-                            Path(args.results_dir).expanduser() / "logs" / f"{args.save or 'compare'}-ledger")
+                            Path(args.results_dir).expanduser() / "logs" / f"{args.save or 'compare'}-ledger",
+                            args.engine_threads)
     tokenizer = load_tokenizer(args.tokenizer or model_path)
     console = make_console()
     runs: list[Any] = []
@@ -259,14 +273,17 @@ def run_started_engine(args: argparse.Namespace, name: str, options: LaunchOptio
         return []
     log = Path(args.results_dir).expanduser() / "logs" / f"{args.save or 'compare'}-{name}.log"
     console.print(f"[bold]starting {name}[/]: {shlex.join(command)}")
-    server = ServerProcess(name, command, log)
+    server = ServerProcess(name, command, log, options.environment())
     try:
         url = f"http://127.0.0.1:{port}"
         problem = server.wait_ready(url, args.startup_timeout)
         if problem is not None:
             skipped.append(problem)
             return []
-        return run_levels_for(args, url, name, tokenizer, levels, server.pid)
+        runs = run_levels_for(args, url, name, tokenizer, levels, server.pid)
+        for run in runs:  # how the engine was started, for whoever reproduces the figures
+            run.config["engine"] = {"name": name, "command": command, "threads": options.threads}
+        return runs
     finally:
         server.stop()
 

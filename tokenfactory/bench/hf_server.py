@@ -229,16 +229,18 @@ class Responder:
                                       daemon=True)
             thread.start()
             finished = False
-            while (token := await queue.get()) is not None:
-                self.num_generated += 1
-                finish = None
-                if self.num_generated >= self.g.max_tokens:
-                    finish = "length"
-                elif token in self.baseline.eos_token_ids and not self.g.ignore_eos:
-                    finish = "stop"
-                finished = finished or finish is not None
-                yield detok.add(token), finish
-            await asyncio.to_thread(thread.join)
+            try:
+                while (token := await queue.get()) is not None:
+                    self.num_generated += 1
+                    finish = None
+                    if self.num_generated >= self.g.max_tokens:
+                        finish = "length"
+                    elif token in self.baseline.eos_token_ids and not self.g.ignore_eos:
+                        finish = "stop"
+                    finished = finished or finish is not None
+                    yield detok.add(token), finish
+            finally:  # a client that went away still holds the lock until generate() is done, as naive servers do
+                await asyncio.to_thread(thread.join)
             if not finished:  # generate() stopped on its own (a stop criterion of the model's config)
                 yield "", "stop"
 

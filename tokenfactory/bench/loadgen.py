@@ -7,7 +7,8 @@ the requests in flight, as vllm's --max-concurrency does. Closed loop: every req
 the cap alone paces them.
 
 A fatal failure (nothing listens, the key is refused: FATAL_ERROR_KINDS) stops the sending: requests
-not yet sent are recorded as failed with kind `not_sent`, and the run is marked aborted.
+not yet sent are recorded as failed with kind `not_sent`, and the run is marked aborted. Ctrl-C does
+the same, and marks the requests it cut off in flight as `interrupted`.
 """
 
 from __future__ import annotations
@@ -151,6 +152,10 @@ async def run_load(client: Any, target: Target, requests: Sequence[BenchRequest]
     async def one(request: BenchRequest) -> None:
         try:
             sample = await send_request(client, target, request, sampling, t0, progress.chunk)
+        except asyncio.CancelledError:  # Ctrl-C while in flight
+            samples[request.index] = RequestSample(request.index, request.prompt_len, request.output_len,
+                                                   error_kind="interrupted", error="interrupted while in flight")
+            raise
         finally:
             if cap is not None:
                 cap.release()

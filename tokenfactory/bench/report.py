@@ -104,7 +104,8 @@ def chart_ttft_cdf(ax: Any, refs: dict[str, Any]) -> bool:
         ttfts = sorted(s["ttft_s"] * 1000 for s in run.samples if s.get("success") and s.get("ttft_s") is not None)
         if not ttfts:
             continue
-        ax.step(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], where="post", label=_display(label, run))
+        fractions = [(i + 1) / len(ttfts) for i in range(len(ttfts))]
+        ax.step([ttfts[0], *ttfts], [0.0, *fractions], where="post", label=_display(label, run))
         drawn = True
     ax.set_xlabel("time to first token (ms)")
     ax.set_ylabel("fraction of requests")

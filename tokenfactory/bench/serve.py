@@ -123,7 +123,7 @@ def bench_spec(args: argparse.Namespace, base_url: str, label: str | None, concu
                      sampling=SamplingOptions(temperature=args.temperature, ignore_eos=args.ignore_eos),
                      slo=parse_slo(args.slo), power_source=args.power_source, server_pid=args.server_pid,
                      device_profile=args.device_profile, sample_interval_s=args.sample_interval,
-                     progress=not args.no_progress and sys.stderr.isatty(),
+                     progress=not args.no_progress and sys.stdout.isatty(),
                      tokenizer_source=args.tokenizer or "bundled")
 
 
