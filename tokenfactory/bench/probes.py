@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -347,6 +346,3 @@ def server_energy(usage: list[dict[str, Any]], before: Scrape | None, after: Scr
         basis += "; watts: mean of tokenfactory:power_watts samples"
     return EnergyWindow(attributed, seconds, sources, scopes, basis, mean_w, attributed)
 
-
-def local_host_name() -> str:
-    return socket.gethostname()

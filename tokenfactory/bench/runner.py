@@ -15,7 +15,7 @@ import datetime as dt
 import os
 import platform
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from tokenfactory.bench.client import RequestSample, SamplingOptions, Target, TargetInfo, probe_target
@@ -102,6 +102,8 @@ async def _measure(spec: BenchSpec, target: Target, info: TargetInfo, client: An
     local = power.stop(outcome.duration_s) if power is not None else None
     if power is not None:
         power.close()
+    if local is not None and not is_loopback(target.base_url):
+        local = replace(local, basis=f"THIS machine, not the remote server at {target.base_url}: {local.basis}")
     after = await scrape(client, target.base_url, target.headers())
     count_missing_output(outcome.samples, tokenizer)
     return assemble(spec, target, info, outcome, sampler.trace, before, after, local, pid, warm)
@@ -137,7 +139,7 @@ def assemble(spec: BenchSpec, target: Target, info: TargetInfo, outcome: LoadOut
         reasons.append(f"{len(failed)} of {len(samples)} requests failed")
     return RunResult(
         name="", label=target.label or target.model, status=status, reasons=reasons,
-        config=run_config(spec, target, figures, pid), environment=environment(info, spec, outcome),
+        config=run_config(spec, target, figures, pid), environment=environment(info, outcome),
         figures=figures, failures=failures_by_reason(samples), samples=[s.to_json() for s in samples],
         timeseries=timeseries(trace))
 
@@ -222,7 +224,7 @@ def run_config(spec: BenchSpec, target: Target, figures: dict[str, Any], pid: in
     return config
 
 
-def environment(info: TargetInfo, spec: BenchSpec, outcome: LoadOutcome | None) -> dict[str, Any]:
+def environment(info: TargetInfo, outcome: LoadOutcome | None) -> dict[str, Any]:
     from tokenfactory import __version__
     from tokenfactory.meter.modelled import cpu_model_name
 
@@ -248,8 +250,6 @@ def timeseries(trace: MemoryTrace) -> list[dict[str, Any]]:
 
 def _resolved(target: Target, info: TargetInfo) -> Target:
     """The model (first of /v1/models) and label (the server's owned_by, else the model) when not given."""
-    from dataclasses import replace
-
     model = target.model or (info.model_ids[0] if info.model_ids else "")
     return replace(target, model=model, label=target.label or info.owned_by or model)
 
@@ -262,5 +262,5 @@ def _aborted(spec: BenchSpec, requests: Sequence[BenchRequest], info: TargetInfo
     figures = latency_figures(samples, 0.0, spec.slo)
     return RunResult(name="", label=target.label or target.model, status="aborted",
                      reasons=[f"no request was sent: {reason}"], config=run_config(spec, target, figures, None),
-                     environment=environment(info, spec, None), figures=figures,
+                     environment=environment(info, None), figures=figures,
                      failures=failures_by_reason(samples), samples=[s.to_json() for s in samples])
