@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PRIOR_ACCEPTANCE = 0.5  # before any evidence
+METHOD_PRIOR_WEIGHT = 2.0  # pseudo-observations of the prior in the method's acceptance
 REQUEST_PRIOR_WEIGHT = 2.0  # pseudo-observations of the method's acceptance in a request's estimate
 REQUEST_DECAY = 0.8  # per verification: a request's acceptance reflects its last ~5 drafts
 METHOD_DECAY = 0.995  # per verification: the method's acceptance reflects its last ~200 drafts
@@ -319,7 +320,7 @@ class Speculator:
     @property
     def acceptance_rate(self) -> float:
         n = self.num_accepted_decayed + self.num_rejected_decayed
-        return (self.num_accepted_decayed + 4 * PRIOR_ACCEPTANCE) / (n + 4)
+        return (self.num_accepted_decayed + METHOD_PRIOR_WEIGHT * PRIOR_ACCEPTANCE) / (n + METHOD_PRIOR_WEIGHT)
 
     def decide(self, batch_size: int) -> tuple[float, float]:
         """Break-even acceptances (first draft token, each later one) at this batch size: R * c."""
@@ -504,10 +505,16 @@ def time_step(runner: ModelRunner, kv: BlockManager, batch: int, k: int, ctx: in
     return best
 
 
+def calibration_context(kv: BlockManager, k: int, max_model_len: int) -> int:
+    """Cached tokens per calibration sequence: up to 128, as long as 4 sequences fit the pool."""
+    per_seq_blocks = kv.num_free_blocks // 4
+    return max(min(128, max_model_len - k - 2, (per_seq_blocks - 1) * kv.block_size - k - 1), 1)
+
+
 def calibrate_target(runner: ModelRunner, kv: BlockManager, k: int, max_model_len: int) -> list[float]:
     """[c0, c_tok, c_span] in seconds, least squares over timed steps at batch 1 and 4 with and without
     k draft tokens."""
-    ctx = max(min(128, max_model_len - k - 2), 1)
+    ctx = calibration_context(kv, k, max_model_len)
     time_step(runner, kv, 1, k, ctx, repeats=1)  # warm-up
     rows, ys = [], []
     for batch in (1, 4):
@@ -535,7 +542,7 @@ def _draft_model_proposer(name: str, engine: LLMEngine, draft: LoadedModel, quan
                          num_blocks=engine.capacity.num_blocks, block_size=engine.config.block_size,
                          max_model_len=engine.max_model_len, sampler=sampler, quantization=quantization,
                          raw_gguf=draft.raw_gguf)
-    ctx = max(min(128, engine.max_model_len - 2), 1)
+    ctx = calibration_context(kv, 0, engine.max_model_len)
     time_step(runner, kv, 1, 0, ctx, repeats=1)
     d1, d4 = time_step(runner, kv, 1, 0, ctx), time_step(runner, kv, 4, 0, ctx)
     slope = max((d4 - d1) / 3, 0.0)
