@@ -1,0 +1,111 @@
+"""CUDA correctness and speed check, for a machine with an NVIDIA GPU (the model file is not needed there).
+
+A random-weight model with the bundled SmolLM2-135M's shapes runs the same greedy requests on the CPU in
+float32 and on CUDA in float32 and bfloat16. Greedy tokens must match between CPU and CUDA float32 up to
+near-ties (top-2 logits within 1e-2), and the last-step logits must agree closely. Then decode speed on
+CUDA at batch 1 and 32. Prints one JSON object (and writes it to $OUT/cuda_check.json when OUT is set).
+
+    python scripts/cuda_check.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from tokenfactory.config import EngineConfig, ModelConfig
+from tokenfactory.engine.engine import LLMEngine
+from tokenfactory.models.loader import LoadedModel
+from tokenfactory.types import SamplingParams
+
+SMOLLM2_135M = ModelConfig("llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                           num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5,
+                           max_position_embeddings=8192, tie_word_embeddings=True, eos_token_ids=(2,))
+
+
+class ByteTokenizer:
+    """Enough of a tokenizer for token-id prompts: the check compares token ids, not text."""
+
+    bos_token_id, eos_token_ids, vocab_size, all_special_ids = 1, (2,), 49152, frozenset({1, 2})
+
+    def decode_stream(self, skip_special_tokens: bool = True, prompt_ids: tuple = ()) -> object:
+        class Stream:
+            def step(self, token_id: int) -> str:
+                return f"<{token_id}>"
+
+            def flush(self) -> str:
+                return ""
+        return Stream()
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(f"<{i}>" for i in ids)
+
+
+def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+
+    def w(*shape: int, scale: float = 0.02) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * scale
+
+    weights = {"model.embed_tokens.weight": w(cfg.vocab_size, h), "model.norm.weight": 1 + w(h, scale=0.1)}
+    for n in range(cfg.num_layers):
+        p = f"model.layers.{n}."
+        weights |= {p + "input_layernorm.weight": 1 + w(h, scale=0.1),
+                    p + "post_attention_layernorm.weight": 1 + w(h, scale=0.1),
+                    p + "self_attn.q_proj.weight": w(cfg.num_heads * d, h),
+                    p + "self_attn.k_proj.weight": w(cfg.num_kv_heads * d, h),
+                    p + "self_attn.v_proj.weight": w(cfg.num_kv_heads * d, h),
+                    p + "self_attn.o_proj.weight": w(h, cfg.num_heads * d),
+                    p + "mlp.gate_proj.weight": w(i, h), p + "mlp.up_proj.weight": w(i, h),
+                    p + "mlp.down_proj.weight": w(h, i)}
+    return weights
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    ids = [engine.add_request(p, params) for p in prompts]
+    finals = engine.run_to_completion(ids)
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    return [finals[i].outputs[0].token_ids for i in ids], time.perf_counter() - start
+
+
+def decode_speed(engine: LLMEngine, batch: int) -> float:
+    prompts = [[(7 * b + k) % 40000 + 100 for k in range(128)] for b in range(batch)]
+    run(engine, prompts[:1], 4)
+    _, first = run(engine, prompts, 1)
+    _, total = run(engine, prompts, 129)
+    return batch * 128 / max(total - first, 1e-9)
+
+
+def main() -> None:
+    loaded = LoadedModel(SMOLLM2_135M, random_weights(SMOLLM2_135M), ByteTokenizer(), Path("random"), "random")  # type: ignore[arg-type]
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (5, 40, 130, 300)]
+    base = dict(kv_cache_memory=256 << 20, max_model_len=1024, max_num_batched_tokens=256)
+    cpu = LLMEngine(EngineConfig(device="cpu", dtype="float32", **base), loaded)
+    cpu_tokens, _ = run(cpu, prompts, 32)
+    report: dict[str, object] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    for dtype in ("float32", "bfloat16"):
+        gpu = LLMEngine(EngineConfig(device="cuda", dtype=dtype, **base), loaded)
+        gpu_tokens, _ = run(gpu, prompts, 32)
+        same = [next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
+                for x, y in zip(cpu_tokens, gpu_tokens, strict=True)]
+        report[dtype] = {"tokens_equal_to_cpu_until": same,
+                         "decode_tok_s_batch1": decode_speed(gpu, 1), "decode_tok_s_batch32": decode_speed(gpu, 32),
+                         "free_blocks_back": gpu.kv.num_free_blocks == gpu.kv.num_blocks}
+    report["pass"] = all(n == 32 for n in report["float32"]["tokens_equal_to_cpu_until"])  # type: ignore[index]
+    text = json.dumps(report, indent=2)
+    print(text)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "cuda_check.json").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
