@@ -42,8 +42,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
     log = data / "server.log"
     with log.open("wb") as out:
         process = subprocess.Popen([sys.executable, "-m", "tokenfactory.cli", "serve", "--auth", "--port", str(port),
-                                    "--data-dir", str(data), "--scheduling-policy", "vtc", "--max-model-len", "512",
-                                    "--kv-cache-memory", "32MiB", "--max-num-seqs", "8", "--power-source", "constant",
+                                    "--data-dir", str(data), "--scheduling-policy", "vtc-joules",
+                                    "--max-model-len", "512", "--kv-cache-memory", "32MiB", "--max-num-seqs", "8",
+                                    "--power-source", "constant",
                                     "--power-watts", "100", "--log-level", "warning"],
                                    stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -58,7 +59,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
             process.kill()
             process.wait()
         banner = log.read_text()
-        assert "auth    on: API keys required" in banner and "scheduling vtc" in banner
+        assert "auth    on: API keys required" in banner and "scheduling vtc-joules" in banner
         for secret in keys.values():  # never logged
             assert secret.split("_", 2)[2] not in banner
 
