@@ -492,6 +492,12 @@ def time_step(runner: ModelRunner, kv: BlockManager, batch: int, k: int, ctx: in
         if not kv.allocate(seq.seq_id, ctx + 1 + k):
             raise ValueError("the KV cache is too small to calibrate speculative decoding")
         chunks.append(ScheduledChunk(seq, 1 + k, ctx, Draft([0] * k) if k else None))
+    # The context was never written: zero it, so that no non-finite leftover reaches the KV it writes
+    # (padded decode reads of a freed block must stay finite, see model_runner.py).
+    used = torch.tensor([b for seq in seqs for b in kv.block_ids(seq.seq_id)], dtype=torch.long)
+    for k_cache, v_cache in runner.kv_caches:
+        k_cache[:, used.to(k_cache.device)] = 0
+        v_cache[:, used.to(v_cache.device)] = 0
     best = math.inf
     try:
         for _ in range(repeats):
