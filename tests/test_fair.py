@@ -13,7 +13,7 @@ from tokenfactory.config import EngineConfig
 from tokenfactory.engine.fair import BANDS, FairPolicy, JoulesFairPolicy, attach_energy
 from tokenfactory.engine.kv_cache import BlockManager
 from tokenfactory.engine.scheduler import POLICIES, Scheduler
-from tokenfactory.engine.sequence import Sequence
+from tokenfactory.engine.sequence import Sequence, SequenceStatus
 from tokenfactory.meter.power import ConstantSource, EnergyReading
 from tokenfactory.types import ParameterError, SamplingParams, StepStats
 
@@ -96,6 +96,25 @@ def test_counter_lift_for_a_tenant_back_from_idle() -> None:
     p.charge("rich", 900.0)
     p.add(seq("rich"))  # a lift never lowers a counter
     assert p.counter("rich") == 900.0
+
+
+def test_no_lift_while_its_sequences_run() -> None:
+    p = FairPolicy()
+    other = seq("other")
+    p.add(other)
+    p.charge("other", 100.0)
+    running = seq("runner")
+    p.add(running)  # idle until now: lifted to 100
+    p.remove(running)
+    running.status = SequenceStatus.RUNNING
+    p.on_scheduled(running, 8)  # 8 prompt + 1 output: 110
+    p.charge("other", 400.0)  # 500
+    p.add(seq("runner"))  # its queue was empty but it is being served: no lift
+    assert p.counter("runner") == 110.0
+    running.status = SequenceStatus.FINISHED
+    p.remove(next(s for s in p if s.tenant == "runner"))
+    p.add(seq("runner"))  # now it was idle: lifted to the smallest active counter
+    assert p.counter("runner") == 500.0
 
 
 def drive(scheduler: Scheduler, num_steps: int, refill, on_step=None) -> dict[str, float]:

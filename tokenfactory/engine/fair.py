@@ -41,7 +41,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from tokenfactory.engine.sequence import Sequence
+from tokenfactory.engine.sequence import Sequence, SequenceStatus
 from tokenfactory.meter.attribution import FlopShape, work_flops
 from tokenfactory.meter.power import EnergyReading, PowerSource
 from tokenfactory.types import ParameterError, StepStats
@@ -79,9 +79,9 @@ class FairPolicy:
         self.tenant_to_weight: dict[str, float] = {}
         # Positions already charged per sequence (prompt positions, then one per sampled token).
         self.seq_id_to_mark: dict[str, tuple[Sequence, int]] = {}
-        self.tenant_band_to_last_tick: dict[tuple[str, int], int] = {}
+        # Sequences scheduled at least once, per (tenant, band); pruned to the running ones when read.
+        self.tenant_band_to_scheduled: dict[tuple[str, int], dict[str, Sequence]] = {}
         self.num_waiting = 0
-        self.tick = 0  # one per admission pass (__iter__)
         self._calls = itertools.count()
 
     # -- weights and counters ---------------------------------------------------------------------------
@@ -134,7 +134,6 @@ class FairPolicy:
     def __iter__(self) -> Iterator[Sequence]:
         """Bands in order; within a band, repeatedly the head of the tenant whose counter, plus what
         this pass has already handed out (projected), is smallest."""
-        self.tick += 1
         snapshot = [(band, {t: list(q) for t, q in tenants.items()})
                     for band, tenants in sorted(self.band_to_tenant_to_queue.items())]
         return self._order(snapshot)
@@ -157,7 +156,7 @@ class FairPolicy:
         return self.config.prompt_weight * max(seq.num_prompt_tokens - mark, 0)
 
     def on_scheduled(self, seq: Sequence, num_new_tokens: int) -> None:
-        self.tenant_band_to_last_tick[(seq.tenant, seq.priority)] = self.tick
+        self.tenant_band_to_scheduled.setdefault((seq.tenant, seq.priority), {})[seq.seq_id] = seq
         end = seq.num_computed_tokens + num_new_tokens
         if end == seq.num_tokens:
             end += 1  # this chunk samples the next (output) token
@@ -183,12 +182,23 @@ class FairPolicy:
         return entry[1] if entry is not None and entry[0] is seq else 0
 
     def _recently_served(self, tenant: str, band: int) -> bool:
-        """Served in the last admission pass or this one: it has sequences running."""
-        return self.tenant_band_to_last_tick.get((tenant, band), -2) >= self.tick - 1
+        """It has sequences running in this band."""
+        return self._running(tenant, band)
+
+    def _running(self, tenant: str, band: int) -> bool:
+        key = (tenant, band)
+        seqs = self.tenant_band_to_scheduled.get(key)
+        if seqs is None:
+            return False
+        for seq_id in [i for i, s in seqs.items() if s.status is not SequenceStatus.RUNNING]:
+            del seqs[seq_id]  # finished, or preempted back into the queue
+        if not seqs:
+            del self.tenant_band_to_scheduled[key]
+        return bool(seqs)
 
     def _lift(self, tenant: str, band: int) -> None:
         waiting = set(self.band_to_tenant_to_queue.get(band, {}))
-        running = {t for (t, b), tick in self.tenant_band_to_last_tick.items() if b == band and tick >= self.tick - 1}
+        running = {t for (t, b) in list(self.tenant_band_to_scheduled) if b == band and self._running(t, b)}
         active = (waiting | running) - {tenant}
         if active:
             floor = min(self.counter(t) for t in active)
