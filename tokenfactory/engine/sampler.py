@@ -4,7 +4,7 @@ whatever else shares its batch.
 
 Order of operations per row (as in vLLM): penalties -> min_tokens mask -> (logprobs taken here) ->
 temperature -> top-k -> top-p -> min-p -> sample. Greedy rows take the argmax after the penalties.
-Sampling draws one uniform per row from the row's generator and inverts the row's CDF.
+Plain sampling is the exponential race (Gumbel-max) with each row's own generator.
 
 `verify(logits, batch, drafts)` checks speculative draft tokens against the target's distributions at
 each drafted position: greedy rows accept the longest prefix equal to the argmax; sampled rows use
@@ -140,15 +140,15 @@ class Sampler:
     def _sample_random(self, logits: torch.Tensor, batch: SamplingBatch) -> list[int]:
         greedy_ids = logits.argmax(dim=-1).tolist()
         probs = self.probs(logits, batch)  # (S, V)
-        # Inverse-CDF sampling: one uniform draw per row from the row's own generator (so a seeded row is
-        # reproducible whatever shares its batch), then one batched cumsum + searchsorted over (S, V).
-        # A zero-probability token owns an empty CDF interval, so it can never be drawn.
-        uniforms = torch.tensor([float(torch.rand(1, generator=g)) for g in batch.generators],
-                                dtype=torch.float64)  # (S,)
-        cdf = probs.double().cumsum(dim=-1)  # (S, V)
-        targets = (uniforms.to(cdf.device) * cdf[:, -1]).unsqueeze(1)  # (S, 1)
-        sampled = torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1).tolist()
-        return [greedy_ids[row] if temp < 1e-5 else sampled[row] for row, temp in enumerate(batch.temperatures)]
+        # The exponential race (Gumbel-max): argmax(p / q) with q ~ Exp(1) per token draws from p. Each row's
+        # noise comes from its own generator, so a seeded row draws the same token whatever shares its
+        # batch; and unlike inverting a CDF over the whole vocabulary, only near-ties among the top
+        # candidates can flip when another batch composition rounds the logits differently.
+        rows = [r for r, temp in enumerate(batch.temperatures) if temp >= 1e-5]
+        noise = torch.stack([torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=batch.generators[r])
+                             for r in rows])  # (R, V)
+        sampled = dict(zip(rows, (probs[rows] / noise.to(probs.device)).argmax(dim=-1).tolist(), strict=True))
+        return [sampled.get(row, greedy_ids[row]) for row in range(len(batch.temperatures))]
 
 
 def _penalised(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
