@@ -31,6 +31,7 @@ def tiny_hf(tmp_path_factory):
     return tiny_random_model_dir(tmp_path_factory.mktemp("hf"), num_layers=2)
 
 
+@pytest.mark.slow
 def test_auto_file_keeps_the_gguf_codes_and_loads_without_a_flag(tiny_gguf, tmp_path) -> None:
     source = load_model(tiny_gguf)
     out = tmp_path / "tiny.auto.safetensors"
@@ -51,6 +52,7 @@ def test_auto_file_keeps_the_gguf_codes_and_loads_without_a_flag(tiny_gguf, tmp_
     assert from_file.path_to_format == from_gguf.path_to_format and from_file.num_quantized_layers > 0
 
 
+@pytest.mark.slow
 def test_int4_file_runs_like_int4_at_load_time(tiny_hf, tmp_path) -> None:
     source = load_model(tiny_hf)
     out = tmp_path / "tiny.int4.safetensors"

@@ -67,7 +67,7 @@ def test_packed_and_dense_paths_compute_the_format(fmt, shape) -> None:
     torch.manual_seed(0)
     w = WEIGHTS[fmt](*shape)
     layer = build(w)
-    assert layer.kernel_name != "none" and layer.max_packed_rows >= 4
+    assert layer.kernel_name != "none" and layer.max_packed_rows >= 2
     for rows in (1, layer.max_packed_rows, layer.max_packed_rows + 1, 40):
         x = torch.randn(rows, shape[1]).to(torch.bfloat16)
         ref = x.double() @ (kernel_weight(w) if rows <= layer.max_packed_rows else w.dequantize().double()).T
@@ -79,8 +79,8 @@ def test_packed_and_dense_paths_compute_the_format(fmt, shape) -> None:
 def test_dispatch_follows_the_row_count() -> None:
     layer = build(quantize_int4(torch.randn(64, 64), 32))
     calls: list[int] = []
-    packed_forward = layer.packed.forward
-    layer.packed.forward = lambda x: calls.append(x.shape[0]) or packed_forward(x)
+    packed = layer._packed_fn
+    layer._packed_fn = lambda x: calls.append(x.shape[0]) or packed(x)
     for rows in (1, 3, layer.max_packed_rows, layer.max_packed_rows + 1, 200):
         layer(torch.randn(rows, 64, dtype=torch.bfloat16))
     assert calls == [1, 3, layer.max_packed_rows]
@@ -111,6 +111,15 @@ def test_dequantize_on_the_fly_matches_the_copy() -> None:
         x = torch.randn(64, 128).to(torch.bfloat16)
         assert rel_err(fly(x), copy(x).double()) < 6e-3
         assert not any(b.dtype == torch.bfloat16 and b.shape == (48, 128) for b in fly.dense.buffers())
+
+
+def test_moving_the_module_rebinds_the_fast_path() -> None:
+    bias = torch.randn(32).to(torch.bfloat16)
+    layer = build(quantize_int8(torch.randn(32, 64)), bias=bias)
+    layer._apply(lambda t: t.clone())  # what .to(device) runs through: new tensors everywhere
+    assert layer.bias is not bias and layer._bias is layer.bias
+    layer.packed.q.zero_()  # the new buffer: the packed path must now read zeros
+    assert torch.equal(layer(torch.randn(1, 64).to(torch.bfloat16))[0], layer.bias)
 
 
 def test_bias_is_added_on_both_paths() -> None:

@@ -14,10 +14,11 @@ paths and picks one per call by the number of rows T in the step's flat batch:
     T <= max_packed_rows   packed kernel: torch's weight-only int8 / int4 matmuls (bytes read ~ weights/2, /4)
     T >  max_packed_rows   dense: F.linear on the dequantized weight (a kept copy, or dequantized per call)
 
-The packed kernels are GEMV-like: on the 2-core AVX-512 CPU they cost ~0.6 ms per row for the bundled
-model's 30 layers against bf16 GEMM's ~5 ms + 0.2 ms per row, so they win only for small T. Both paths
-compute the same logical weight (the packed one with scales rounded to bf16, see quant_formats.py).
-The crossovers in KERNELS were measured with `python -m tokenfactory.engine.bench_quant crossover`.
+The packed kernels are GEMV-like: on the 2-core AVX-512 CPU they cost ~1.3 ms per row of the step for
+the bundled model's 30 layers (1 thread) against bf16 GEMM's ~8 ms + 0.5 ms per row, so they win only
+for small T. Both paths compute the same logical weight (the packed one with scales rounded to bf16, see
+quant_formats.py). The crossovers in KERNELS are measured: `python -m tokenfactory.engine.bench_quant
+--crossover`.
 """
 
 from __future__ import annotations
@@ -154,6 +155,8 @@ def apply_quantization(model: nn.Module, scheme: str, *, raw_gguf: RawGGUFTensor
     `tokenfactory quantize` (LoadedModel.quantized). Call after the weights are on `device` in `dtype`."""
     policy = get_scheme(scheme)
     options = options or QuantOptions()
+    if not policy.keeps_source and policy.quantize is None:
+        return QuantSummary(policy.name)  # "none"
     plan = plan_quantization(model, policy, source_weights(raw_gguf, quantized), options)
     summary: dict[str, str] = {}
     for path, weight in plan.items():
@@ -182,8 +185,9 @@ class Int8ChannelCPU(nn.Module):
         self.register_buffer("q", w.q.contiguous().to(device))  # (N, K) int8
         self.register_buffer("scale", _bf16(w.scale[:, 0]).to(device))  # (N,)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int8pack_mm(x, self.q, self.scale)
+    def bind(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        q, scale, op = self.q, self.scale, torch._weight_int8pack_mm
+        return lambda x: op(x, q, scale)
 
 
 class Int4GroupCPU(nn.Module):
@@ -201,27 +205,35 @@ class Int4GroupCPU(nn.Module):
         self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, 1).to(device))
         self.register_buffer("scales_and_zeros", _bf16(torch.stack([scale, zero], -1).transpose(0, 1)).to(device))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
-        return y if y.shape[1] == self.num_out else y[:, :self.num_out]
+    def bind(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        packed, group, sz, n, op = (self.packed, self.group_size, self.scales_and_zeros, self.num_out,
+                                    torch._weight_int4pack_mm_for_cpu)
+        if packed.shape[0] == n:
+            return lambda x: op(x, packed, group, sz)
+        return lambda x: op(x, packed, group, sz)[:, :n]
 
 
 class Int8GroupAsInt4PlanesCPU(nn.Module):
     """Grouped int8 (GGUF Q8_0) on the int4 kernel, exactly: q = 16 * hi + lo with hi in [-8, 7] and lo in
-    [0, 15], so w = d * q = (hi + 8 - 8) * 16d + (lo - 8) * d + 8d: two int4 planes, same codes, no
-    requantization. Torch's int8 kernel has no per-group scales; this costs two int4 calls instead."""
+    [0, 15], so d * q = 16d * hi + d * lo: two int4 planes with the same codes, no requantization. The
+    planes sit side by side along K and x is repeated, [x | x] @ [W_hi | W_lo]^T, so one kernel call sums
+    both (measured for the 49152 x 576 LM head, 1 thread: 1.9 ms, vs 2.2 ms for two calls and 1.8 ms for
+    a requantized per-channel int8 head with 3x the error)."""
 
     def __init__(self, w: Int8Weight, device: torch.device) -> None:
         super().__init__()
         q = w.q.to(torch.int16)
         hi = torch.div(q, 16, rounding_mode="floor")  # [-8, 7]
         lo = q - 16 * hi  # [0, 15]
-        d = w.scale
-        self.hi = Int4GroupCPU(Int4Weight((hi + 8).to(torch.uint8), 16 * d, -8 * 16 * d), device)
-        self.lo = Int4GroupCPU(Int4Weight(lo.to(torch.uint8), d, torch.zeros_like(d)), device)
+        d = w.scale  # (N, K/g)
+        codes = torch.cat([hi + 8, lo], dim=1).to(torch.uint8)  # (N, 2K)
+        # Plane hi: (hi + 8) * 16d - 128d = 16d * hi; plane lo: lo * d.
+        planes = Int4Weight(codes, torch.cat([16 * d, d], dim=1), torch.cat([-128 * d, torch.zeros_like(d)], dim=1))
+        self.planes = Int4GroupCPU(planes, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.hi(x) + self.lo(x)
+    def bind(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        planes = self.planes.bind()
+        return lambda x: planes(torch.cat([x, x], dim=1))
 
 
 class Int4GroupCUDA(nn.Module):
@@ -238,8 +250,9 @@ class Int4GroupCUDA(nn.Module):
         zero = w.min + 8 * w.scale
         self.register_buffer("scales_and_zeros", _bf16(torch.stack([w.scale, zero], -1).transpose(0, 1)).to(device))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int4pack_mm(x, self.packed, self.group_size, self.scales_and_zeros)
+    def bind(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        packed, group, sz, op = self.packed, self.group_size, self.scales_and_zeros, torch._weight_int4pack_mm
+        return lambda x: op(x, packed, group, sz)
 
 
 @dataclass(frozen=True)
@@ -258,20 +271,30 @@ def _has_kernel(op: str, device_type: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", device_type.upper())
 
 
-# Crossovers measured on the 2-core AMD EPYC (AVX-512 BF16), torch 2.13, the bundled model's shapes:
-# `python -m tokenfactory.engine.bench_quant crossover` (figures in docs/quantization.md). Against a
-# kept bf16 copy the packed kernels win up to ~8 rows; against dequantize-per-call (which pays ~0.4 ms
-# per layer per call) up to ~32.
+# Crossovers: the largest T at which the packed kernel beat the dense path, for the bundled model's
+# four layer shapes, measured by `python -m tokenfactory.engine.bench_quant --crossover` on the 2-core
+# AMD EPYC (AVX-512 BF16), torch 2.13. Milliseconds per forward of 30 layers, 1 thread (docs/quantization.md):
+#
+#     rows T                 1     2     4     6     8    12    16    32    64
+#     bf16 dense copy      8.1   7.9   7.9   8.9  10.1  11.3  13.5  20.9  37.8
+#     int8 packed          2.8   3.7   5.6   9.0  10.9  16.2  21.1  43.0  88.3
+#     int4-g32 packed      3.0   3.6   5.2   8.6  10.1  15.1  20.1  39.8  80.8
+#     Q8_0 planes packed   6.0   7.6  10.4  17.4  20.2  30.2  40.2  80.4 163.0
+#     int4 on-the-fly     97.4  96.6  96.7  97.7  97.2  98.5 104.2 111.2 126.8
+#     int8 on-the-fly     34.1  33.2  33.9  35.7  35.5  36.7  38.1  48.2  60.1
+#
+# With 2 threads on a quiet machine the bf16 GEMM gains more than the GEMV-like kernels (at 11:44 that day:
+# bf16 5.0 ms at T = 1 and 7.8 at T = 16, int8 1.5 and 10.7), moving the int8/int4 crossovers to ~8-10.
 KERNELS: tuple[Kernel, ...] = (
     Kernel("cpu-int8pack", "cpu",
            lambda w: isinstance(w, Int8Weight) and w.scale.shape[1] == 1 and w.shape[1] % 16 == 0,
-           Int8ChannelCPU, {"copy": 8, "on-the-fly": 32}),  # type: ignore[arg-type]
+           Int8ChannelCPU, {"copy": 6, "on-the-fly": 32}),  # type: ignore[arg-type]
     Kernel("cpu-int4pack", "cpu",
            lambda w: isinstance(w, Int4Weight) and w.group_size in (32, 64, 128, 256),
-           Int4GroupCPU, {"copy": 8, "on-the-fly": 32}),  # type: ignore[arg-type]
+           Int4GroupCPU, {"copy": 8, "on-the-fly": 64}),  # type: ignore[arg-type]
     Kernel("cpu-int8-as-int4-planes", "cpu",
            lambda w: isinstance(w, Int8Weight) and w.group_size in (32, 64, 128, 256),
-           Int8GroupAsInt4PlanesCPU, {"copy": 4, "on-the-fly": 16}),  # type: ignore[arg-type]
+           Int8GroupAsInt4PlanesCPU, {"copy": 3, "on-the-fly": 16}),  # type: ignore[arg-type]
     Kernel("cuda-int4pack", "cuda",
            lambda w: (isinstance(w, Int4Weight) and w.group_size in (32, 64, 128, 256) and w.shape[1] % 32 == 0
                       and w.shape[0] % 8 == 0 and _has_kernel("_weight_int4pack_mm", "cuda")),
@@ -299,9 +322,14 @@ class DenseCopy(nn.Module):
     def weight(self) -> torch.Tensor:
         return self.dense
 
+    def bind(self) -> Callable[[], torch.Tensor]:
+        dense = self.dense
+        return lambda: dense
+
 
 class DequantizeOnTheFly(nn.Module):
-    """Keeps codes and scales only; dequantizes per call (int4 codes two per byte)."""
+    """Keeps codes and scales only (int4 codes two per byte); dequantizes per call. Plain multiply and add:
+    torch's bf16 addcmul on CPU measured 3x slower than the two ops (2.7 vs 0.8 ms for a 3072 x 576 layer)."""
 
     def __init__(self, w: QuantizedWeight, old: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -309,14 +337,17 @@ class DequantizeOnTheFly(nn.Module):
         codes = ((w.q[:, 0::2] | (w.q[:, 1::2] << 4)) if self.int4 else w.q).contiguous()
         self.register_buffer("codes", codes.to(device))
         self.register_buffer("scale", w.scale.to(device=device, dtype=dtype).unsqueeze(-1))  # (N, K/g, 1)
-        offset = w.min if isinstance(w, Int4Weight) else torch.zeros_like(w.scale)
-        self.register_buffer("offset", offset.to(device=device, dtype=dtype).unsqueeze(-1))
+        offset = w.min.to(device=device, dtype=dtype).unsqueeze(-1) if isinstance(w, Int4Weight) else None
+        self.register_buffer("offset", offset)  # (N, K/g, 1); None for int8 (symmetric)
 
     def weight(self) -> torch.Tensor:
         q = unpack_nibbles(self.codes) if self.int4 else self.codes  # (N, K)
         n, num_groups = self.scale.shape[0], self.scale.shape[1]
-        groups = q.view(n, num_groups, -1).to(self.dtype)  # (N, K/g, g)
-        return torch.addcmul(self.offset, groups, self.scale).view(n, -1)
+        w = q.view(n, num_groups, -1).to(self.dtype) * self.scale  # (N, K/g, g)
+        return (w if self.offset is None else w + self.offset).view(n, -1)
+
+    def bind(self) -> Callable[[], torch.Tensor]:
+        return self.weight
 
 
 DENSE_PATHS: dict[str, type[DenseCopy] | type[DequantizeOnTheFly]] = {
@@ -340,6 +371,19 @@ class QuantizedLinear(nn.Module):
         self.max_packed_rows = max_packed_rows if packed is not None else 0
         self.out_features, self.in_features = shape
         self.register_buffer("bias", bias)
+        self._bind()
+
+    def _bind(self) -> None:
+        # The hot path calls closures over the current tensors: an nn.Module attribute lookup costs about a
+        # microsecond and a decode step makes ~120 of these calls. Rebound whenever tensors move (_apply).
+        self._packed_fn = self.packed.bind() if self.packed is not None else None  # type: ignore[operator]
+        self._dense_fn = self.dense.bind()  # type: ignore[operator]
+        self._bias = self.bias
+
+    def _apply(self, fn: Callable[..., torch.Tensor], recurse: bool = True) -> QuantizedLinear:
+        super()._apply(fn, recurse)
+        self._bind()
+        return self
 
     @classmethod
     def build(cls, w: QuantizedWeight, old_weight: torch.Tensor, bias: torch.Tensor | None, *, dtype: torch.dtype,
@@ -356,15 +400,14 @@ class QuantizedLinear(nn.Module):
                    w.shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)  # (T, K)
-        if x2.shape[0] <= self.max_packed_rows:
-            y = self.packed(_bf16(x2)).to(x.dtype)  # type: ignore[misc]
-            if self.bias is not None:
-                y = y + self.bias
-        else:
-            y = F.linear(x2, self.dense.weight(), self.bias)  # type: ignore[operator]
-        return y.view(*lead, self.out_features)
+        if x.dim() != 2:  # the model's flat batch is (T, K) already
+            return self.forward(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+        if x.shape[0] > self.max_packed_rows:
+            return F.linear(x, self._dense_fn(), self._bias)
+        y = self._packed_fn(x.contiguous() if x.dtype == torch.bfloat16 else _bf16(x))  # type: ignore[misc]
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        return y if self._bias is None else y + self._bias
 
     @property
     def packed_bytes(self) -> int:

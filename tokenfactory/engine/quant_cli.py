@@ -44,7 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("--text", default=None, help="evaluation text: .txt, or .jsonl with a 'text' field per line "
                                                 "(default: the bundled public-domain text)")
     e.add_argument("--prompts", default=None, help="prompts: .jsonl with a 'prompt' field, or a .json list")
-    e.add_argument("--max-tokens", type=int, default=None, help="greedy tokens compared per prompt (default 24)")
+    e.add_argument("--max-tokens", type=int, default=None, help="greedy tokens compared per prompt (default 8)")
     e.add_argument("--window", type=int, default=None, help="perplexity window in tokens (default 512)")
     e.add_argument("--max-ppl-increase", type=float, default=0.05, help="relative, default 0.05 (5%%)")
     e.add_argument("--min-agreement", type=float, default=0.5, help="share of prompts, default 0.5")
