@@ -35,6 +35,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache size: bytes (2GiB) or a fraction of free memory (0.5)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for the engine's kernels (default: PyTorch's, one per core). On a machine "
+                        "whose cores are also busy with other work, fewer threads avoid OpenMP's spin-wait collapse")
     p.add_argument("--speculative", default="none",
                    help="speculative decoding: none, ngram, draft:PATH or self-int4 (docs/speculative.md)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="most draft tokens per sequence and step")
@@ -93,6 +96,10 @@ def build_engine(args: argparse.Namespace):  # noqa: ANN201 - LLMEngine, importe
     from tokenfactory.planner.doctor import preflight, raise_on_errors
 
     config = engine_config_from_args(args)
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
     loaded = load_model(config.model)
     device = resolve_device(config.device)
     dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[str(resolve_dtype(config.dtype, device))[6:]]
