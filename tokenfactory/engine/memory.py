@@ -12,9 +12,9 @@ from tokenfactory.types import ParameterError
 
 GiB = 1 << 30
 # Without a budget, the KV cache takes this share of free memory, capped on CPU (a CPU server
-# shares its RAM with everything else; 2 GiB is ~90k tokens of SmolLM2-135M in bf16).
+# shares its RAM with everything else; 1 GiB is ~46k tokens of SmolLM2-135M in bf16).
 DEFAULT_FRACTION = {"cpu": 0.3, "cuda": 0.85}
-DEFAULT_CPU_CAP_BYTES = 2 * GiB
+DEFAULT_CPU_CAP_BYTES = 1 * GiB
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,6 @@ computed at every position of such a chunk and the sampler verifies them).
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -39,23 +38,15 @@ class ModelInputs:
     verify_sampling: SamplingBatch | None = None  # one row per verified position (a sequence repeated)
 
 
-# Anonymous mappings above glibc's largest mmap threshold (32 MiB on 64-bit) are fresh zero pages.
-FRESH_MMAP_BYTES = 64 << 20
-
-
 def allocate_kv_pool(shape: tuple[int, ...], num_layers: int, dtype: torch.dtype,
                      device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One allocation for every layer's K and V, as (k, v) views per layer.
+    """One zeroed allocation for every layer's K and V, as (k, v) views per layer.
 
-    The pool must hold finite values: padded block-table entries are read (then masked), and NaN * 0 is
-    NaN. Recycled memory can hold any bit pattern, so the pool is zeroed — except a large CPU pool on
-    Linux, which is a fresh anonymous mapping (zero pages, touched lazily), where zeroing it would cost
-    seconds of start-up and all its memory at once.
+    Zeroed, not empty: padded block-table entries and a block's unwritten slots are read (then masked),
+    and NaN * 0 is NaN. Relying on fresh zero pages from the OS proved unsafe: a reused allocation came
+    back holding NaN bit patterns in a long-running process.
     """
-    pool_shape = (num_layers, 2, *shape)
-    nbytes = torch.Size(pool_shape).numel() * torch.tensor([], dtype=dtype).element_size()
-    lazy_zero = device.type == "cpu" and sys.platform == "linux" and nbytes >= FRESH_MMAP_BYTES
-    pool = (torch.empty if lazy_zero else torch.zeros)(pool_shape, dtype=dtype, device=device)
+    pool = torch.zeros((num_layers, 2, *shape), dtype=dtype, device=device)
     return [(pool[i, 0], pool[i, 1]) for i in range(num_layers)]
 
 
