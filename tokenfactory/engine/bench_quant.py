@@ -110,14 +110,15 @@ def _count(values: Any) -> dict[str, int]:
 
 
 def crossover(args: argparse.Namespace) -> dict[str, Any]:
-    """Time the bundled model's layer shapes (x 30 layers) per path and row count; best of 15 runs."""
+    """Time a forward through 30 distinct copies of the bundled model's layer shapes (so the weights stream
+    from memory as in a real step, rather than sitting in cache) per path and row count; best of 7."""
     import torch
 
     from tokenfactory.engine.quant import QuantizedLinear
     from tokenfactory.engine.quant_formats import Int8Weight, quantize_int4, quantize_int8
 
     torch.manual_seed(args.seed)
-    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30  # qkv, o, gate_up, down per layer
     make = {
         "int8": lambda w: quantize_int8(w),
         "int4-g32": lambda w: quantize_int4(w, 32),
@@ -125,21 +126,23 @@ def crossover(args: argparse.Namespace) -> dict[str, Any]:
     }
     rows = [1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64]
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
-    dense_matmul = lambda m, x: torch.nn.functional.linear(x, m.dense.weight())  # noqa: E731
+    dense_matmul = lambda m, x: torch.nn.functional.linear(x, m._dense_fn())  # noqa: E731
     paths = {"packed": ("copy", lambda m, x: m._packed_fn(x)), "dense-copy": ("copy", dense_matmul),
              "dense-on-the-fly": ("on-the-fly", dense_matmul)}
     table: dict[str, dict[str, list[float]]] = {}
     for name, quantize in make.items():
-        weights = [quantize(torch.randn(n, k) * 0.02) for n, k in shapes]
-        layers = {dense: [QuantizedLinear.build(w, torch.zeros(w.shape, dtype=bf16), None, dtype=bf16, device=cpu,
-                                                dense=dense) for w in weights] for dense in ("copy", "on-the-fly")}
         table[name] = {label: [] for label in paths}
-        for t in rows:
-            xs = [torch.randn(t, k).to(bf16) for _, k in shapes]
-            for label, (dense, fn) in paths.items():
-                mods = layers[dense]
-                run = lambda fn=fn, mods=mods, xs=xs: [fn(m, x) for m, x in zip(mods, xs, strict=True)]  # noqa: E731
-                table[name][label].append(30 * _best_ms(run))
+        for dense in ("copy", "on-the-fly"):
+            mods = [QuantizedLinear.build(quantize(torch.randn(n, k) * 0.02), torch.zeros(n, k, dtype=bf16), None,
+                                          dtype=bf16, device=cpu, dense=dense) for n, k in shapes]
+            for label, (path_dense, fn) in paths.items():
+                if path_dense != dense:
+                    continue
+                for t in rows:
+                    xs = [torch.randn(t, k).to(bf16) for _, k in shapes]
+                    run = lambda fn=fn, mods=mods, xs=xs: [fn(m, x) for m, x in zip(mods, xs, strict=True)]  # noqa: E731
+                    table[name][label].append(_best_ms(run, repeats=7))
+            del mods
     crossings = {name: {d: max([t for t, p, q in zip(rows, v["packed"], v[d], strict=True) if p < q], default=0)
                         for d in ("dense-copy", "dense-on-the-fly")} for name, v in table.items()}
     return {"rows": rows, "ms_per_forward_30_layers": table, "largest_rows_where_packed_wins": crossings}
@@ -154,7 +157,7 @@ def _q8_0(w: Any) -> tuple[Any, Any]:
     return q, d
 
 
-def _best_ms(fn: Any, repeats: int = 15) -> float:
+def _best_ms(fn: Any, repeats: int) -> float:
     fn()
     best = float("inf")
     for _ in range(repeats):

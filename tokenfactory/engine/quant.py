@@ -14,9 +14,9 @@ paths and picks one per call by the number of rows T in the step's flat batch:
     T <= max_packed_rows   packed kernel: torch's weight-only int8 / int4 matmuls (bytes read ~ weights/2, /4)
     T >  max_packed_rows   dense: F.linear on the dequantized weight (a kept copy, or dequantized per call)
 
-The packed kernels are GEMV-like: on the 2-core AVX-512 CPU they cost ~1.3 ms per row of the step for
-the bundled model's 30 layers (1 thread) against bf16 GEMM's ~8 ms + 0.5 ms per row, so they win only
-for small T. Both paths compute the same logical weight (the packed one with scales rounded to bf16, see
+The packed kernels are GEMV-like: on the 2-core AVX-512 CPU, for the bundled model's 30 layers (1 thread),
+int4 costs ~4.5 ms at T = 1 and ~1.2 ms per further row, against bf16 GEMM's ~15 ms + 0.4 ms per row, so
+they win only for small T. Both paths compute the same logical weight (the packed one with scales rounded to bf16, see
 quant_formats.py). The crossovers in KERNELS are measured: `python -m tokenfactory.engine.bench_quant
 --crossover`.
 """
@@ -271,30 +271,32 @@ def _has_kernel(op: str, device_type: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", device_type.upper())
 
 
-# Crossovers: the largest T at which the packed kernel beat the dense path, for the bundled model's
-# four layer shapes, measured by `python -m tokenfactory.engine.bench_quant --crossover` on the 2-core
-# AMD EPYC (AVX-512 BF16), torch 2.13. Milliseconds per forward of 30 layers, 1 thread (docs/quantization.md):
+# Crossovers: the largest T at which the packed kernel beats the dense path. Measured by
+# `python -m tokenfactory.engine.bench_quant --crossover` (30 distinct copies of the bundled model's four layer
+# shapes, so weights stream from memory as in a real step) on the 2-core AMD EPYC (AVX-512 BF16), torch 2.13,
+# 1 thread (the machine was shared; 2-thread timings were scheduler noise). Milliseconds per 30-layer forward:
 #
-#     rows T                 1     2     4     6     8    12    16    32    64
-#     bf16 dense copy      8.1   7.9   7.9   8.9  10.1  11.3  13.5  20.9  37.8
-#     int8 packed          2.8   3.7   5.6   9.0  10.9  16.2  21.1  43.0  88.3
-#     int4-g32 packed      3.0   3.6   5.2   8.6  10.1  15.1  20.1  39.8  80.8
-#     Q8_0 planes packed   6.0   7.6  10.4  17.4  20.2  30.2  40.2  80.4 163.0
-#     int4 on-the-fly     97.4  96.6  96.7  97.7  97.2  98.5 104.2 111.2 126.8
-#     int8 on-the-fly     34.1  33.2  33.9  35.7  35.5  36.7  38.1  48.2  60.1
+#     rows T                 1     2     4     6     8    12    16    24    32    64
+#     bf16 dense copy     15.3  15.7  15.6  16.9  17.6  19.8  21.6  24.8  29.1  41.9
+#     int8 packed          7.5   6.9   7.8  11.5  13.5  19.0  24.3  35.1  46.3  89.5
+#     int4-g32 packed      4.5   4.8   6.5  10.0  11.6  16.6  21.7  31.8  41.9  82.1
+#     Q8_0 planes packed   8.0   8.9  11.8  19.0  22.1  32.0  42.0  62.2  81.9 162.3
+#     int8 on-the-fly     34.1  34.9  35.2  36.3  36.6  38.8  40.8  44.8  47.6  67.7
+#     int4 on-the-fly    101.4 102.2 104.3 104.0 105.5 108.3 103.4 105.8 108.1 123.3
 #
-# With 2 threads on a quiet machine the bf16 GEMM gains more than the GEMV-like kernels (at 11:44 that day:
-# bf16 5.0 ms at T = 1 and 7.8 at T = 16, int8 1.5 and 10.7), moving the int8/int4 crossovers to ~8-10.
+# Packed wins up to ~12 rows (int8), ~16 (int4), ~4 (Q8_0 planes) against a kept copy. With both cores free,
+# bf16 GEMM gains more from the second thread than the GEMV-like kernels do, so the thresholds below sit a
+# little under the 1-thread crossovers.
 KERNELS: tuple[Kernel, ...] = (
     Kernel("cpu-int8pack", "cpu",
            lambda w: isinstance(w, Int8Weight) and w.scale.shape[1] == 1 and w.shape[1] % 16 == 0,
-           Int8ChannelCPU, {"copy": 6, "on-the-fly": 32}),  # type: ignore[arg-type]
+           Int8ChannelCPU, {"copy": 10, "on-the-fly": 32}),  # type: ignore[arg-type]
     Kernel("cpu-int4pack", "cpu",
            lambda w: isinstance(w, Int4Weight) and w.group_size in (32, 64, 128, 256),
-           Int4GroupCPU, {"copy": 8, "on-the-fly": 64}),  # type: ignore[arg-type]
+           Int4GroupCPU, {"copy": 12, "on-the-fly": 64}),  # type: ignore[arg-type]
     Kernel("cpu-int8-as-int4-planes", "cpu",
            lambda w: isinstance(w, Int8Weight) and w.group_size in (32, 64, 128, 256),
-           Int8GroupAsInt4PlanesCPU, {"copy": 3, "on-the-fly": 16}),  # type: ignore[arg-type]
+           Int8GroupAsInt4PlanesCPU, {"copy": 4, "on-the-fly": 16}),  # type: ignore[arg-type]
     Kernel("cuda-int4pack", "cuda",
            lambda w: (isinstance(w, Int4Weight) and w.group_size in (32, 64, 128, 256) and w.shape[1] % 32 == 0
                       and w.shape[0] % 8 == 0 and _has_kernel("_weight_int4pack_mm", "cuda")),
