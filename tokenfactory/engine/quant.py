@@ -19,6 +19,9 @@ int4 costs ~4.5 ms at T = 1 and ~1.2 ms per further row, against bf16 GEMM's ~15
 they win only for small T. Both paths compute the same logical weight (the packed one with scales rounded to bf16, see
 quant_formats.py). The crossovers in KERNELS are measured: `python -m tokenfactory.engine.bench_quant
 --crossover`.
+
+(Past 400 lines on purpose: schemes, kernels with their measured crossover table, and the module that
+dispatches between them change together; the formats, the file and the CLI live in their own modules.)
 """
 
 from __future__ import annotations
