@@ -37,7 +37,8 @@ def test_models_and_health(server, client) -> None:
 def test_chat_completion_with_usage_and_energy(client) -> None:
     r = client.chat.completions.create(model=MODEL, messages=[
         {"role": "system", "content": "You answer in one short sentence."},
-        {"role": "user", "content": "What is the capital of France?"}], temperature=0, max_tokens=20)
+        {"role": "user", "content": "What is the capital of France? Answer in one word."}], temperature=0,
+        max_tokens=20)
     assert "Paris" in r.choices[0].message.content and r.choices[0].message.role == "assistant"
     u = r.usage
     assert u.prompt_tokens > 10 and 0 < u.completion_tokens <= 20

@@ -82,7 +82,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # Weight quantization: "none", or a scheme of tokenfactory.engine.quant (int8, int4, ...; "auto" keeps
     # a GGUF file's own quantization). Validated where the schemes live.
-    quantization: str = "none"
+    quantization: str = "auto"
     seed: int = 0
     scheduling_policy: str = "fcfs"
     # Speculative decoding: "none", "ngram", "draft:PATH" or "self-int4" (tokenfactory.engine.speculative,

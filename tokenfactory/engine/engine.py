@@ -91,7 +91,8 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.config, loaded.weights, device=self.device, dtype=self.dtype,
                                   num_blocks=self.capacity.num_blocks, block_size=config.block_size,
                                   max_model_len=self.max_model_len, sampler=self.sampler,
-                                  quantization=config.quantization, raw_gguf=loaded.raw_gguf)
+                                  quantization=config.quantization, raw_gguf=loaded.raw_gguf,
+                                  quantized=loaded.quantized)
         self.speculator = build_speculator(config, loaded, self)
         self.requests: dict[str, RequestState] = {}
         self.step_listeners: list[Callable[[StepStats], None]] = []

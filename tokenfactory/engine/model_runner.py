@@ -53,7 +53,8 @@ def allocate_kv_pool(shape: tuple[int, ...], num_layers: int, dtype: torch.dtype
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor], *, device: torch.device,
                  dtype: torch.dtype, num_blocks: int, block_size: int, max_model_len: int,
-                 sampler: Sampler, quantization: str = "none", raw_gguf: RawGGUFTensors | None = None) -> None:
+                 sampler: Sampler, quantization: str = "none", raw_gguf: RawGGUFTensors | None = None,
+                 quantized: dict | None = None) -> None:
         self.cfg = model_config
         self.device, self.dtype = device, dtype
         self.block_size = block_size
@@ -64,7 +65,7 @@ class ModelRunner:
         model = model.to_empty(device="cpu")
         model.load_hf_weights(weights)
         model = model.to(device=device, dtype=dtype).eval()
-        apply_quantization(model, quantization, raw_gguf=raw_gguf, dtype=dtype, device=device)
+        apply_quantization(model, quantization, raw_gguf=raw_gguf, dtype=dtype, device=device, quantized=quantized)
         # RoPE tables stay float32 whatever the model's dtype (as the reference computes them).
         model.rotary = Rotary(model_config, max_model_len).to(device)
         self.model: LlamaForCausalLM = model

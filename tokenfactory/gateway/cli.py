@@ -34,6 +34,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=parse_memory, default=None,
                    help="KV cache size: bytes (2GiB) or a fraction of free memory (0.5)")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--quantization", default="auto",
+                   help="weights: auto (a GGUF keeps its own quantization), none, int8, int4, int4-g64, ...")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for the engine's kernels (default: PyTorch's, one per core). On a machine "
@@ -53,6 +55,7 @@ def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201 - EngineC
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
+                        quantization=args.quantization,
                         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                         scheduling_policy=getattr(args, "scheduling_policy", "fcfs"))
 
