@@ -35,6 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--hf-dtype", default="float32",
+                   help="the baseline's dtype (transformers computes GGUF weights fastest in float32)")
     p.add_argument("--skip-hf", action="store_true", help="engine only (no baseline)")
     p.add_argument("--peak-bandwidth-gbs", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -184,7 +186,7 @@ def main(args: argparse.Namespace) -> int:
                         else "measured: 512 MiB float32 sum"},
         "tokenfactory": ours}
     if not args.skip_hf:
-        hf = run_hf(args, workload, ours["dtype"])
+        hf = run_hf(args, workload, args.hf_dtype)
         result["hf_generate"] = hf
         result["ratios"] = {
             "throughput": ours["throughput"]["output_tokens_per_s"] / hf["throughput"]["output_tokens_per_s"],
