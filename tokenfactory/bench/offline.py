@@ -89,7 +89,11 @@ def run_engine(args: argparse.Namespace) -> tuple[dict[str, Any], list[tuple[lis
     elapsed = time.perf_counter() - t
     out_tokens = sum(len(finals[i].outputs[0].token_ids) for i in ids)
     single = single_stream_engine(engine, args)
-    return {"dtype": str(engine.dtype).removeprefix("torch."), "weight_bytes": engine.runner.weight_bytes,
+    from tokenfactory.engine.quant import decode_weight_bytes
+
+    return {"dtype": str(engine.dtype).removeprefix("torch."), "quantization": engine.config.quantization,
+            "weight_bytes_resident": engine.runner.weight_bytes,
+            "weight_bytes_read_per_decode_token": decode_weight_bytes(engine.runner.model),
             "kv_bytes_per_token": engine.capacity.bytes_per_token,
             "throughput": {"elapsed_s": elapsed, "output_tokens": out_tokens,
                            "prompt_tokens": sum(len(p) for p, _ in workload),
@@ -174,7 +178,7 @@ def main(args: argparse.Namespace) -> int:
     peak = args.peak_bandwidth_gbs or measure_peak_bandwidth_gbs()
     ours, workload = run_engine(args)
     s = ours["single_stream"]
-    bytes_per_token = ours["weight_bytes"] + ours["kv_bytes_per_token"] * (args.single_prompt_len
+    bytes_per_token = ours["weight_bytes_read_per_decode_token"] + ours["kv_bytes_per_token"] * (args.single_prompt_len
                                                                            + args.single_output_len / 2)
     s["mbu"] = s["decode_tokens_per_s"] * bytes_per_token / (peak * 1e9)
     result: dict[str, Any] = {
