@@ -9,7 +9,6 @@ import sys
 
 # Subcommand modules, each exposing `register(subparsers: argparse._SubParsersAction) -> None`.
 COMMAND_MODULES: tuple[str, ...] = (
-    "tokenfactory.engine.cli",  # generate
     "tokenfactory.gateway.cli",  # serve
     "tokenfactory.meter.cli",  # usage
     "tokenfactory.planner.cli",  # plan, doctor
@@ -23,13 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenfactory", description="From every watt to every token.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name != name:
-                raise
-            continue  # subsystem not built yet
-        module.register(subparsers)
+        importlib.import_module(name).register(subparsers)
     return parser
 
 

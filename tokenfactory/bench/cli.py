@@ -19,12 +19,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks: offline engine, or any OpenAI-compatible server")
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCH_COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            if e.name != module_name:
-                raise
-            continue
+        module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=help_text)
         module.add_arguments(p)
         p.set_defaults(func=module.main)
