@@ -84,6 +84,9 @@ class EngineConfig:
     # a GGUF file's own quantization). Validated where the schemes live.
     quantization: str = "auto"
     seed: int = 0
+    # CPU: run steps of at most this many tokens on one thread (0: off). Pays where the cores are shared with
+    # other busy threads, as in a server (its event loop, clients on the same machine); `serve` turns it on.
+    single_thread_step_tokens: int = 0
     scheduling_policy: str = "fcfs"
     # Speculative decoding: "none", "ngram", "draft:PATH" or "self-int4" (tokenfactory.engine.speculative,
     # validated there); up to num_speculative_tokens drafted tokens per sequence and step.

@@ -92,7 +92,8 @@ class LLMEngine:
                                   num_blocks=self.capacity.num_blocks, block_size=config.block_size,
                                   max_model_len=self.max_model_len, sampler=self.sampler,
                                   quantization=config.quantization, raw_gguf=loaded.raw_gguf,
-                                  quantized=loaded.quantized)
+                                  quantized=loaded.quantized,
+                                  single_thread_step_tokens=config.single_thread_step_tokens)
         self.speculator = build_speculator(config, loaded, self)
         self.requests: dict[str, RequestState] = {}
         self.step_listeners: list[Callable[[StepStats], None]] = []

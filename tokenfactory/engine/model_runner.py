@@ -50,20 +50,18 @@ def allocate_kv_pool(shape: tuple[int, ...], num_layers: int, dtype: torch.dtype
     return [(pool[i, 0], pool[i, 1]) for i in range(num_layers)]
 
 
-SMALL_STEP_TOKENS = 4  # steps of at most this many tokens run on one CPU thread (see _choose_threads)
-
-
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor], *, device: torch.device,
                  dtype: torch.dtype, num_blocks: int, block_size: int, max_model_len: int,
                  sampler: Sampler, quantization: str = "none", raw_gguf: RawGGUFTensors | None = None,
-                 quantized: dict | None = None) -> None:
+                 quantized: dict | None = None, single_thread_step_tokens: int = 0) -> None:
         self.cfg = model_config
         self.device, self.dtype = device, dtype
         self.block_size = block_size
         self.sampler = sampler
         self.max_threads = torch.get_num_threads()
         self.num_threads = self.max_threads
+        self.single_thread_step_tokens = single_thread_step_tokens
         model_cls = MODEL_REGISTRY[model_config.architecture]
         with torch.device("meta"):
             model = model_cls(model_config, max_positions=max_model_len)
@@ -78,14 +76,14 @@ class ModelRunner:
         self.kv_caches = allocate_kv_pool(shape, model_config.num_layers, dtype, device)
 
     def _choose_threads(self, num_tokens: int) -> None:
-        """One CPU thread for steps of a few tokens, all of them for bigger steps. A small step's kernels are
-        too short to split, and when anything else wants a core (the HTTP side, a client on the same
-        machine) OpenMP's spin-waiting threads stall each other: measured on 2 cores with the server's
-        event loop busy, single-stream decode ran at 41 tok/s on 2 threads and 76 on 1, while 32 streams
-        ran at 346 tok/s on 2 threads and 306 on 1."""
-        if self.device.type != "cpu" or self.max_threads == 1:
+        """One CPU thread for steps of a few tokens, all of them for bigger steps (when configured). When
+        anything else wants a core (the HTTP side, a client on the same machine), OpenMP's spin-waiting
+        threads stall each other on a small step's short kernels: measured on 2 cores with the server's event
+        loop busy, single-stream decode ran at 41 tok/s on 2 threads and 76 on 1, while 32 streams ran at
+        346 tok/s on 2 threads and 306 on 1. Alone on the machine, 2 threads are faster (95 vs 82 tok/s)."""
+        if self.device.type != "cpu" or self.max_threads == 1 or not self.single_thread_step_tokens:
             return
-        wanted = 1 if num_tokens <= SMALL_STEP_TOKENS else self.max_threads
+        wanted = 1 if num_tokens <= self.single_thread_step_tokens else self.max_threads
         if wanted != self.num_threads:
             torch.set_num_threads(wanted)
             self.num_threads = wanted

@@ -37,6 +37,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default="auto",
                    help="weights: auto (a GGUF keeps its own quantization), none, int8, int4, int4-g64, ...")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--single-thread-step-tokens", type=int, default=4,
+                   help="run steps of at most this many tokens on one CPU thread (0: off); the server's event loop "
+                        "shares the cores, and small steps gain nothing from a second thread")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for the engine's kernels (default: PyTorch's, one per core). On a machine "
                         "whose cores are also busy with other work, fewer threads avoid OpenMP's spin-wait collapse")
@@ -56,6 +59,7 @@ def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201 - EngineC
                         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
                         quantization=args.quantization,
+                        single_thread_step_tokens=getattr(args, "single_thread_step_tokens", 0),
                         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                         scheduling_policy=getattr(args, "scheduling_policy", "fcfs"))
 
