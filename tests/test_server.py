@@ -236,3 +236,21 @@ def test_sigterm_finishes_inflight_stream_then_exits(tmp_path) -> None:
     assert s.proc.wait(60) in (0, -signal.SIGTERM)
     with pytest.raises(httpx.ConnectError):
         httpx.get(s.url + "/health", timeout=2)
+
+
+def test_client_gone_before_first_byte_still_gets_a_ledger_row(server) -> None:
+    import socket
+
+    def recorded() -> int:
+        return httpx.get(server.url + "/v1/usage").json()["data"][0]["num_requests"]
+
+    before = recorded()
+    body = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 8, "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    deadline = time.monotonic() + 40
+    while recorded() == before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert recorded() == before + 1
+    assert server.metric("tokenfactory:num_requests_running") == 0

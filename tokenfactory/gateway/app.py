@@ -38,6 +38,10 @@ class ServerSettings:
     retry_after_s: int = 2
 
 
+# How long a finished stream's body may take to start before the request is settled without it.
+UNSTREAMED_GRACE_S = 10.0
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None, headers: dict[str, str] | None = None) -> None:
@@ -291,7 +295,11 @@ class Handler:
             # The engine requests start now, whether or not the response body is ever read.
             queue: asyncio.Queue = asyncio.Queue()
             tasks = [asyncio.ensure_future(self.pump(i, a, queue)) for i, a in enumerate(adds)]
-            return StreamingResponse(self.stream(adds, tasks, queue, request_id, render, include_usage, echo),
+            owner: list[str] = []  # who settles (meter, ledger, tenant limits): the body, or the fallback
+            loop = asyncio.get_running_loop()
+            asyncio.gather(*tasks, return_exceptions=True).add_done_callback(lambda _: loop.call_later(
+                UNSTREAMED_GRACE_S, self.settle_unstreamed, request_id, adds, queue, owner))
+            return StreamingResponse(self.stream(adds, tasks, queue, request_id, render, include_usage, echo, owner),
                                      media_type="text/event-stream")
         latest: dict[int, RequestOutput] = {}
         try:
@@ -419,8 +427,26 @@ class Handler:
         finally:
             self.last_output_time.pop(add.request_id, None)
 
+    def settle_unstreamed(self, request_id: str, adds: list[AddRequest], queue: asyncio.Queue,
+                          owner: list[str]) -> None:
+        """A stream whose body never started (the client left before its first byte): the engine work ran,
+        so its ledger row is written and its tenant's reservation released all the same."""
+        if owner:
+            return
+        owner.append("fallback")
+        latest: dict[int, RequestOutput] = {}
+        while not queue.empty():
+            i, out = queue.get_nowait()
+            if isinstance(out, RequestOutput):
+                latest[i] = out
+        self.settle_later(request_id, adds, [latest.get(i) for i in range(len(adds))], "aborted")
+
     async def stream(self, adds: list[AddRequest], tasks: list[asyncio.Task], queue: asyncio.Queue,
-                     request_id: str, render: type, include_usage: bool, echo: bool) -> AsyncIterator[str]:
+                     request_id: str, render: type, include_usage: bool, echo: bool,
+                     owner: list[str]) -> AsyncIterator[str]:
+        if owner:  # the fallback settled it already: nothing left to send
+            return
+        owner.append("stream")
         model, created = self.settings.served_model_name, int(time.time())
         finals: dict[int, RequestOutput] = {}
         latest: dict[int, RequestOutput] = {}
