@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.server_util import stop_process
 from tests.test_bench_serve import free_port, wait_healthy
 from tokenfactory.cli import main as cli_main
 
@@ -52,12 +53,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
         wait_healthy(url, process, log)
         yield url, data, keys
     finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process)
         banner = log.read_text()
         assert "auth    on: API keys required" in banner and "scheduling vtc-joules" in banner
         for secret in keys.values():  # never logged

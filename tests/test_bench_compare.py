@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from tests.server_util import stop_process
 from tests.test_bench_serve import free_port, wait_healthy
 from tokenfactory.bench.results import load_runs
 from tokenfactory.cli import main as cli_main
@@ -31,12 +32,7 @@ def hf_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         wait_healthy(url, process, log, timeout_s=300)
         yield url
     finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process)
 
 
 def test_hf_baseline_speaks_openai(hf_server, tmp_path, capsys):

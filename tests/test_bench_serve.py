@@ -5,7 +5,6 @@ internal consistency and against the server's own usage and /metrics counters.""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.server_util import free_port, stop_process
 from tokenfactory.bench.client import RequestSample
 from tokenfactory.bench.figures import latency_figures
 from tokenfactory.bench.loadgen import arrival_times
@@ -26,12 +26,6 @@ pytestmark = pytest.mark.slow
 
 SMALL = ["--num-prompts", "8", "--input-len", "24", "--output-len", "16", "--concurrency", "4", "--ignore-eos",
          "--warmup", "1", "--no-progress", "--sample-interval", "0.25"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(url: str, process: subprocess.Popen | None, log: Path | None, timeout_s: float = 240.0) -> None:
@@ -64,12 +58,7 @@ def tf_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, i
         wait_healthy(url, process, log)
         yield url, process.pid
     finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process)
 
 
 def bench(*argv: str) -> int:

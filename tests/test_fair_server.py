@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.server_util import stop_process
 from tests.test_bench_serve import free_port, wait_healthy
 from tokenfactory.cli import main as cli_main
 
@@ -58,12 +59,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict
     try:
         yield url, keys
     finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process)
 
 
 async def closed_loop(client: httpx.AsyncClient, url: str, key: str, stop_at: float, body: dict,
