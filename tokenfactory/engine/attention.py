@@ -4,6 +4,8 @@ The step's tokens are one flat batch: first the single-token chunks (decodes), o
 the multi-token chunks (prefills), each a contiguous span. The KV cache of a layer is two tensors of
 shape (num_kv_heads, num_blocks, block_size, head_dim); a token's slot is block_id * block_size + offset.
 
+On the CPU, decode runs a hand-written kernel that reads the blocks in place (cpu_kernels.py); elsewhere,
+or where it cannot be built, decode gathers each sequence's blocks with PyTorch ops.
 Why heads first: without a paged-attention kernel, decode gathers each sequence's blocks. With heads
 outermost, `cache[:, block_tables]` is already (nkv, D, L, d) and contiguous, so the gathered keys feed
 the batched matmul directly; with blocks outermost, the gather would need a second, transposing copy.
@@ -15,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from tokenfactory.engine.cpu_kernels import paged_decode_kernel
 
 
 @dataclass(frozen=True)
@@ -30,7 +34,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # (T,) long: where each new token's K and V are written
     num_decode_tokens: int  # the first D rows are single-token chunks
     decode_block_tables: torch.Tensor | None  # (D, max_blocks) long, padded with block 0
-    decode_mask: torch.Tensor | None  # (D, 1, max_blocks * block_size) bool: key j is real
+    decode_seq_lens: torch.Tensor | None  # (D,) long: keys per decoding sequence (cached tokens + this one)
     prefills: tuple[PrefillSpan, ...]
 
 
@@ -55,17 +59,26 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    assert meta.decode_block_tables is not None and meta.decode_mask is not None
+    assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
+    if q.device.type == "cpu" and (kernel := paged_decode_kernel()) is not None:
+        return kernel(q.contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
+    return decode_attention_torch(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
+
+
+def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """The PyTorch path (CUDA, or a CPU without the kernel): gather, two batched matmuls, masked softmax."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[0]
     group = num_heads // num_kv_heads
     # Gather each sequence's blocks: (nkv, D, max_blocks, block_size, d) -> (nkv, D, L, d), no copy beyond it.
-    keys = k_cache[:, meta.decode_block_tables].flatten(2, 3)
-    values = v_cache[:, meta.decode_block_tables].flatten(2, 3)
+    keys = k_cache[:, block_tables].flatten(2, 3)
+    values = v_cache[:, block_tables].flatten(2, 3)
     # Grouped-query attention without repeating K/V: the g query heads sharing a KV head are the rows.
     qg = q.view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1)  # (nkv, D, g, d)
     scores = torch.matmul(qg * scale, keys.transpose(-1, -2))  # (nkv, D, g, L)
-    scores.masked_fill_(~meta.decode_mask, float("-inf"))  # mask (D, 1, L) broadcasts over nkv and g
+    padding = torch.arange(keys.shape[2], device=q.device) >= seq_lens.unsqueeze(1)  # (D, L)
+    scores.masked_fill_(padding.unsqueeze(1), float("-inf"))  # broadcasts over nkv and g
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     out = torch.matmul(probs, values)  # (nkv, D, g, d)
     return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)

@@ -14,6 +14,7 @@ import torch
 
 from tokenfactory.config import ModelConfig
 from tokenfactory.engine.attention import AttentionMetadata, PrefillSpan
+from tokenfactory.engine.cpu_kernels import paged_decode_kernel
 from tokenfactory.engine.quant import apply_quantization
 from tokenfactory.engine.sampler import SampledToken, Sampler, SamplingBatch
 from tokenfactory.engine.scheduler import SchedulerOutput
@@ -72,6 +73,8 @@ class ModelRunner:
         # RoPE tables stay float32 whatever the model's dtype (as the reference computes them).
         model.rotary = Rotary(model_config, max_model_len).to(device)
         self.model: LlamaForCausalLM = model
+        if device.type == "cpu":
+            paged_decode_kernel()  # build (or load) it now, at start-up, not in the first step
         shape = (model_config.num_kv_heads, num_blocks, block_size, model_config.head_dim)
         self.kv_caches = allocate_kv_pool(shape, model_config.num_layers, dtype, device)
 
@@ -137,7 +140,7 @@ class ModelRunner:
             slot_mapping=torch.cat(slots).to(self.device),
             num_decode_tokens=len(decode_tables),
             decode_block_tables=self._pad_tables(decode_tables),
-            decode_mask=self._decode_mask(decode_lens, decode_tables),
+            decode_seq_lens=torch.tensor(decode_lens, dtype=torch.long, device=self.device) if decode_lens else None,
             prefills=tuple(spans))
         return ModelInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
@@ -156,13 +159,6 @@ class ModelRunner:
             return None
         width = max(len(t) for t in tables)
         return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=self.device)
-
-    def _decode_mask(self, lens: list[int], tables: list[list[int]]) -> torch.Tensor | None:
-        if not lens:
-            return None
-        width = max(len(t) for t in tables) * self.block_size
-        keys = torch.arange(width, device=self.device).unsqueeze(0)
-        return (keys < torch.tensor(lens, device=self.device).unsqueeze(1)).view(len(lens), 1, width)
 
     @torch.inference_mode()
     def run(self, inputs: ModelInputs) -> list[tuple[Sequence, list[SampledToken]]]:

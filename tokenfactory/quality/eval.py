@@ -116,7 +116,7 @@ def perplexity(engine: LLMEngine, token_ids: list[list[int]], window: int = DEFA
                 continue
             blocks = torch.arange(-(-n // engine.config.block_size), device=device)
             meta = AttentionMetadata(slot_mapping=torch.arange(n, device=device), num_decode_tokens=0,
-                                     decode_block_tables=None, decode_mask=None,
+                                     decode_block_tables=None, decode_seq_lens=None,
                                      prefills=(PrefillSpan(0, n, 0, blocks),))
             hidden = runner.model(chunk, torch.arange(n, device=device), runner.kv_caches, meta)  # (n, h)
             logits = runner.model.compute_logits(hidden[:-1])  # (n - 1, V) float32

@@ -1,0 +1,69 @@
+"""The CPU decode-attention kernel against the PyTorch path it replaces, on random paged caches."""
+
+import pytest
+import torch
+
+from tokenfactory.engine.attention import decode_attention_torch
+from tokenfactory.engine.cpu_kernels import paged_decode_kernel
+
+kernel = paged_decode_kernel()
+pytestmark = pytest.mark.skipif(kernel is None, reason="the CPU kernel could not be built here")
+
+
+def paged_case(lens: list[int], num_heads: int, num_kv_heads: int, dtype: torch.dtype, block_size: int = 16,
+               head_dim: int = 64, num_blocks: int = 256, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    shape = (num_kv_heads, num_blocks, block_size, head_dim)
+    k_cache = torch.randn(shape, generator=g).to(dtype)
+    v_cache = torch.randn(shape, generator=g).to(dtype)
+    width = max(-(-n // block_size) for n in lens)
+    tables = torch.zeros(len(lens), width, dtype=torch.long)  # padded with block 0, as the runner does
+    # Scattered blocks, not one contiguous run; block 0 is left to pad the tables.
+    free = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    for i, n in enumerate(lens):
+        for b in range(-(-n // block_size)):
+            tables[i, b] = free.pop()
+    q = torch.randn(len(lens), num_heads, head_dim, generator=g).to(dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.long)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (4, 4), (8, 1)])
+def test_kernel_matches_torch_path(dtype, tol, num_heads, num_kv_heads):
+    # One key, a block exactly full, one past it, long and short together.
+    lens = [1, 16, 17, 200, 5, 333]
+    q, k, v, tables, seq_lens = paged_case(lens, num_heads, num_kv_heads, dtype)
+    scale = 64 ** -0.5
+    want = decode_attention_torch(q, k, v, tables, seq_lens, scale)
+    got = kernel(q, k, v, tables, seq_lens, scale)
+    assert got.dtype == dtype and got.shape == q.shape
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_padding_blocks_are_never_read():
+    # Keys past a sequence's length are NaN: reading them (even masked) would turn the output to NaN.
+    q, k, v, tables, seq_lens = paged_case([3, 40], 9, 3, torch.float32)
+    for i, n in enumerate(seq_lens.tolist()):
+        last = tables[i, (n - 1) // 16]
+        k[:, last, n % 16 or 16:] = float("nan")
+        v[:, last, n % 16 or 16:] = float("nan")
+    k[:, 0], v[:, 0] = float("nan"), float("nan")  # block 0 pads the tables
+    out = kernel(q, k, v, tables, seq_lens, 0.125)
+    assert torch.isfinite(out).all()
+
+
+def test_single_key_returns_its_value():
+    q, k, v, tables, seq_lens = paged_case([1], 9, 3, torch.float32)
+    out = kernel(q, k, v, tables, seq_lens, 0.125)
+    block = tables[0, 0]
+    torch.testing.assert_close(out[0], v[:, block, 0].repeat_interleave(3, dim=0))
+
+
+def test_bad_inputs_raise_instead_of_reading_out_of_bounds():
+    q, k, v, tables, seq_lens = paged_case([20], 9, 3, torch.float32)
+    with pytest.raises(RuntimeError, match="sequence length"):
+        kernel(q, k, v, tables, torch.tensor([33]), 0.125)  # 2 blocks in the table, 3 needed
+    with pytest.raises(RuntimeError, match="block id"):
+        kernel(q, k, v, torch.tensor([[0, 9999]]), seq_lens, 0.125)
+    with pytest.raises(RuntimeError, match="sequence length"):
+        kernel(q, k, v, tables, torch.tensor([0]), 0.125)
