@@ -10,6 +10,10 @@ kernel = paged_decode_kernel()
 pytestmark = pytest.mark.skipif(kernel is None, reason="the CPU kernel could not be built here")
 
 
+def one_row_each(lens) -> torch.Tensor:
+    return torch.arange(len(lens) + 1)
+
+
 def paged_case(lens: list[int], num_heads: int, num_kv_heads: int, dtype: torch.dtype, block_size: int = 16,
                head_dim: int = 64, num_blocks: int = 256, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
@@ -35,7 +39,7 @@ def test_kernel_matches_torch_path(dtype, tol, num_heads, num_kv_heads):
     q, k, v, tables, seq_lens = paged_case(lens, num_heads, num_kv_heads, dtype)
     scale = 64 ** -0.5
     want = decode_attention_torch(q, k, v, tables, seq_lens, scale)
-    got = kernel(q, k, v, tables, seq_lens, scale)
+    got = kernel(q, k, v, tables, seq_lens, one_row_each(seq_lens), scale)
     assert got.dtype == dtype and got.shape == q.shape
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
@@ -48,13 +52,13 @@ def test_padding_blocks_are_never_read():
         k[:, last, n % 16 or 16:] = float("nan")
         v[:, last, n % 16 or 16:] = float("nan")
     k[:, 0], v[:, 0] = float("nan"), float("nan")  # block 0 pads the tables
-    out = kernel(q, k, v, tables, seq_lens, 0.125)
+    out = kernel(q, k, v, tables, seq_lens, one_row_each(seq_lens), 0.125)
     assert torch.isfinite(out).all()
 
 
 def test_single_key_returns_its_value():
     q, k, v, tables, seq_lens = paged_case([1], 9, 3, torch.float32)
-    out = kernel(q, k, v, tables, seq_lens, 0.125)
+    out = kernel(q, k, v, tables, seq_lens, one_row_each(seq_lens), 0.125)
     block = tables[0, 0]
     torch.testing.assert_close(out[0], v[:, block, 0].repeat_interleave(3, dim=0))
 
@@ -62,8 +66,25 @@ def test_single_key_returns_its_value():
 def test_bad_inputs_raise_instead_of_reading_out_of_bounds():
     q, k, v, tables, seq_lens = paged_case([20], 9, 3, torch.float32)
     with pytest.raises(RuntimeError, match="sequence length"):
-        kernel(q, k, v, tables, torch.tensor([33]), 0.125)  # 2 blocks in the table, 3 needed
+        kernel(q, k, v, tables, torch.tensor([33]), one_row_each([0]), 0.125)  # 2 blocks in the table, 3 needed
     with pytest.raises(RuntimeError, match="block id"):
-        kernel(q, k, v, torch.tensor([[0, 9999]]), seq_lens, 0.125)
-    with pytest.raises(RuntimeError, match="sequence length"):
-        kernel(q, k, v, tables, torch.tensor([0]), 0.125)
+        kernel(q, k, v, torch.tensor([[0, 9999]]), seq_lens, one_row_each(seq_lens), 0.125)
+    with pytest.raises(RuntimeError, match="query rows"):
+        kernel(q, k, v, tables, torch.tensor([0]), one_row_each([0]), 0.125)
+    with pytest.raises(RuntimeError, match="query rows"):
+        kernel(q, k, v, tables, seq_lens, torch.tensor([0, 2]), 0.125)  # q has one row
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_several_rows_per_sequence_see_keys_up_to_their_own_position(dtype, tol):
+    # A speculative chunk: sequence s brings n rows, row r at position len - n + r. Reference: each row as
+    # its own one-row sequence with that many keys, through the PyTorch path.
+    lens, rows = [40, 5, 16, 200], [5, 1, 3, 2]
+    _, k, v, tables, seq_lens = paged_case(lens, 9, 3, dtype)
+    q = torch.randn(sum(rows), 9, 64).to(dtype)
+    starts = torch.tensor([0] + rows).cumsum(0)
+    row_tables = torch.cat([tables[i].expand(n, -1) for i, n in enumerate(rows)])
+    row_lens = torch.tensor([length - n + r + 1 for length, n in zip(lens, rows, strict=True) for r in range(n)])
+    want = decode_attention_torch(q, k, v, row_tables, row_lens, 0.125)
+    got = kernel(q, k, v, tables, seq_lens, starts, 0.125)
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)

@@ -13,11 +13,14 @@ from tokenfactory.engine.engine import LLMEngine
 from tokenfactory.engine.kv_cache import BlockManager
 from tokenfactory.engine.sampler import Sampler
 from tokenfactory.engine.sequence import Draft, Sequence
-from tokenfactory.engine.speculative import LinearCost, NgramProposer, Speculator
+from tokenfactory.engine.speculative import NgramProposer, Speculator, StepCost
 from tokenfactory.models.loader import load_model
 from tokenfactory.types import ParameterError, SamplingParams
 
-FROZEN = 1e12  # prior weight that keeps a LinearCost at its given coefficients
+
+def linear_cost(base_s: float, per_row_s: float) -> StepCost:
+    """A frozen step cost: base + per_row x rows (not rescaled by what steps really take)."""
+    return StepCost([(1, base_s + per_row_s), (1024, base_s + 1024 * per_row_s)], adapt=False)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -48,7 +51,8 @@ def force_drafting(engine: LLMEngine) -> None:
     """A cost model under which every draft token pays: the exactness tests must exercise verification."""
     spec = engine.speculator
     assert isinstance(spec, Speculator)
-    spec.cost = LinearCost([1.0, 0.0, 0.0], prior_weight=FROZEN)
+    spec.cost = linear_cost(1.0, 0.0)
+    spec.span_s = spec.draft_row_s = 0.0
     spec.draft_cost_per_token = lambda batch: 0.0
 
 
@@ -158,10 +162,13 @@ def test_poor_acceptance_switches_a_request_off_and_then_the_method(tiny) -> Non
     loaded, draft_dir = tiny
     engine = make_engine(loaded, f"draft:{draft_dir}")
     spec = engine.speculator
-    # A CPU-like single-stream cost: 10 ms a step, 0.2 ms a token, 0.5 ms a drafting sequence, 1 ms a draft token.
-    spec.cost = LinearCost([0.010, 0.0002, 0.0005], prior_weight=FROZEN)
-    spec.draft_cost_per_token = lambda batch: 0.001
-    assert spec.acceptance_rate > spec.decide(1)[0]  # the prior (0.5) is above break-even (~0.17) at batch 1
+    # A CPU-like single-stream cost: 10 ms a step, 0.2 ms a row, 4 ms a draft token (a slow draft model).
+    spec.cost = linear_cost(0.010, 0.0002)
+    spec.span_s = spec.draft_row_s = 0.0
+    spec.draft_cost_per_token = lambda batch: 0.004
+    # The prior (0.5) is above break-even at batch 1: a token pays iff a > (0.2 + 4) / 10.2 ms, ~0.41.
+    assert spec.break_even(1) == pytest.approx(0.0042 / 0.0102, abs=0.002)
+    assert spec.break_even(1) < spec.acceptance_rate
     drafts_after: list[int] = []
     engine.step_listeners.append(lambda s: drafts_after.append(spec.num_drafts))
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
@@ -181,18 +188,20 @@ def test_large_batch_switches_off_small_batch_drafts(tiny) -> None:
     loaded, _ = tiny
     engine = make_engine(loaded, "ngram", max_num_seqs=64, kv_cache_memory=16 << 20)
     spec = engine.speculator
-    # Compute-bound at large batch: 5 ms + 1 ms per token, 0.5 ms per drafting sequence.
-    spec.cost = LinearCost([0.005, 0.001, 0.0005], prior_weight=FROZEN)
+    # Compute-bound at large batch: 5 ms + 1 ms per row.
+    spec.cost = linear_cost(0.005, 0.001)
+    spec.span_s = spec.draft_row_s = 0.0
     spec.draft_cost_per_token = lambda batch: 0.0
     copy = prompts()[1]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     generate(engine, [copy] * 32, params)
-    assert spec.metrics().num_drafts == 0 and not spec.enabled
+    assert spec.metrics().num_drafts == 0 and spec.break_even(32) > spec.acceptance_rate
     generate(engine, [copy], params)
     assert spec.metrics().num_drafts > 0 and spec.enabled
-    # Break-even batch from the rule a > B c / (c0 + c_tok B): B < a c0 / (c - a c_tok), c = 1.5 ms.
+    # With a linear cost the first draft token is the one that must pay: a / c > B / T(B), c = 1 ms, so
+    # a (5 + B) > B, i.e. B < 5 a / (1 - a).
     alpha = spec.acceptance_rate
-    bound = alpha * 0.005 / (0.0015 - alpha * 0.001) if 0.0015 > alpha * 0.001 else 64
+    bound = 5 * alpha / (1 - alpha) if alpha < 1 else 64
     assert spec.break_even_batch() == min(64, int(bound - 1e-9))
 
 
@@ -315,3 +324,55 @@ def test_the_distribution_test_catches_a_wrong_sampler() -> None:
     counts = speculative_chain(target, draft, SamplingParams(temperature=1.0), length, k=3, num=4000, seed=5,
                                accept_all=True)  # the draft's distribution, not the target's
     assert chi_square_p_value(counts, chain_probs(target, length)) < 1e-6
+
+
+def test_a_step_cost_that_jumps_is_crossed_only_when_what_lies_past_it_pays() -> None:
+    # As the bundled model's Q8_0 weights on a CPU: 7 ms, +0.6 ms a row up to 4 rows, then a dense kernel.
+    cost = StepCost([(1, 0.007), (4, 0.0088), (5, 0.0100), (64, 0.030)], adapt=False)
+    spec = Speculator("ngram", NgramProposer(), 4, 1024, 64, cost, lambda batch: 0.0)
+    seq = Sequence("s", "s", 0, list(range(20)), SamplingParams(temperature=0, max_tokens=100), 0.0)
+    seq.num_computed_tokens = 19
+    for alpha, want in ((0.6, 3), (0.97, 4)):
+        spec.num_accepted_decayed, spec.num_rejected_decayed = alpha * 1e6, (1 - alpha) * 1e6
+        assert spec.plan([seq]) == {"s": want}, alpha  # 3 drafts stop short of the jump unless the 4th pays
+    spec.num_accepted_decayed, spec.num_rejected_decayed = 0.05 * 1e6, 0.95 * 1e6
+    assert spec.plan([seq]) == {} and spec.break_even(1) > 0.05
+    # What verification costs beyond its rows counts too: 2 ms per drafting sequence turns 0.3 off.
+    spec.num_accepted_decayed, spec.num_rejected_decayed = 0.3e6, 0.7e6
+    assert spec.plan([seq]) == {"s": 1}
+    spec.span_s = 0.002
+    assert spec.plan([seq]) == {}
+
+
+def test_a_draft_models_prefill_is_weighed_against_the_tokens_left() -> None:
+    class Proposer(NgramProposer):
+        def setup_seconds(self, seq: Sequence) -> float:
+            return 0.5  # seconds to prefill the draft's cache for this request
+
+    cost = StepCost([(1, 0.010), (64, 0.050)], adapt=False)
+    spec = Speculator("draft", Proposer(), 4, 100_000, 64, cost, lambda batch: 0.001)
+    spec.num_accepted_decayed, spec.num_rejected_decayed = 0.9e6, 0.1e6
+    short, long = (Sequence(n, n, 0, list(range(20)), SamplingParams(temperature=0, max_tokens=m), 0.0)
+                   for n, m in (("short", 20), ("long", 20_000)))
+    for seq in (short, long):
+        seq.num_computed_tokens = 19
+    assert spec.plan([short]) == {}  # ~20 tokens cannot win back half a second
+    assert spec.plan([long]) == {"long": 4}
+
+
+def test_a_draft_as_slow_as_the_target_is_retired_and_its_model_freed(tiny) -> None:
+    loaded, draft_dir = tiny
+    engine = make_engine(loaded, f"draft:{draft_dir}")
+    spec = engine.speculator
+    spec.cost = linear_cost(0.010, 0.0002)
+    spec.span_s = spec.draft_row_s = 0.0
+    spec.draft_cost_per_token = lambda batch: 0.0  # a free draft pays: nothing to retire
+    assert not spec.retire_if_hopeless()
+    spec.draft_cost_per_token = lambda batch: 0.011  # a draft token costs more than a target step
+    proposer = spec.proposer
+    spec.checked = False  # as at start-up: the first step checks
+    assert spec.plan([]) == {} and spec.retired and not hasattr(proposer, "runner")  # the draft model is dropped
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    assert generate(engine, prompts()[:2], params) == generate(make_engine(loaded), prompts()[:2], params)
+    m = spec.metrics()
+    assert m.num_drafts == 0 and not m.enabled and m.break_even_acceptance == 1.0

@@ -1,11 +1,13 @@
 """Attention over the paged KV cache, with plain PyTorch ops (CPU and CUDA alike).
 
-The step's tokens are one flat batch: first the single-token chunks (decodes), one per sequence, then
-the multi-token chunks (prefills), each a contiguous span. The KV cache of a layer is two tensors of
-shape (num_kv_heads, num_blocks, block_size, head_dim); a token's slot is block_id * block_size + offset.
+The step's tokens are one flat batch: first the decode section (single-token chunks, and speculative
+chunks: a sequence's last token and its drafts), then the prefill chunks, each a contiguous span. The KV
+cache of a layer is two tensors of shape (num_kv_heads, num_blocks, block_size, head_dim); a token's slot
+is block_id * block_size + offset.
 
-On the CPU, decode runs a hand-written kernel that reads the blocks in place (cpu_kernels.py); elsewhere,
-or where it cannot be built, decode gathers each sequence's blocks with PyTorch ops.
+On the CPU, the decode section runs a hand-written kernel that reads the blocks in place, one pass per
+sequence and KV head whatever its number of rows (cpu_kernels.py); elsewhere, or where it cannot be built,
+each decode row gathers its sequence's blocks with PyTorch ops.
 Why heads first: without a paged-attention kernel, decode gathers each sequence's blocks. With heads
 outermost, `cache[:, block_tables]` is already (nkv, D, L, d) and contiguous, so the gathered keys feed
 the batched matmul directly; with blocks outermost, the gather would need a second, transposing copy.
@@ -32,10 +34,12 @@ class PrefillSpan:
 @dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # (T,) long: where each new token's K and V are written
-    num_decode_tokens: int  # the first D rows are single-token chunks
-    decode_block_tables: torch.Tensor | None  # (D, max_blocks) long, padded with block 0
-    decode_seq_lens: torch.Tensor | None  # (D,) long: keys per decoding sequence (cached tokens + this one)
+    num_decode_tokens: int  # the first D rows: the decode section, S sequences of one or a few rows each
+    decode_block_tables: torch.Tensor | None  # (S, max_blocks) long, padded with block 0
+    decode_seq_lens: torch.Tensor | None  # (S,) long: keys per sequence, this step's rows included
     prefills: tuple[PrefillSpan, ...]
+    # (S + 1,) long: sequence s owns decode rows [start[s], start[s + 1]); None: one row each
+    decode_query_start: torch.Tensor | None = None
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -59,10 +63,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
+    tables, lens, starts = meta.decode_block_tables, meta.decode_seq_lens, meta.decode_query_start
+    assert tables is not None and lens is not None
+    if starts is None:
+        starts = torch.arange(lens.shape[0] + 1, device=q.device)
     if q.device.type == "cpu" and (kernel := paged_decode_kernel()) is not None:
-        return kernel(q.contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
-    return decode_attention_torch(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
+        return kernel(q.contiguous(), k_cache, v_cache, tables, lens, starts, scale)
+    if starts.shape[0] != q.shape[0] + 1:  # several rows for some sequence: one row per "sequence" here
+        rows = starts.diff()
+        row_in_seq = torch.arange(q.shape[0], device=q.device) - starts[:-1].repeat_interleave(rows)
+        lens = (lens - rows).repeat_interleave(rows) + row_in_seq + 1
+        tables = tables.repeat_interleave(rows, dim=0)
+    return decode_attention_torch(q, k_cache, v_cache, tables, lens, scale)
 
 
 def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -102,7 +102,8 @@ class ModelRunner:
         return total
 
     def prepare(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> ModelInputs:
-        """Flatten the step: decodes (single-token chunks) first, one row each, then prefill spans."""
+        """Flatten the step: the decode section first (single-token chunks and speculative chunks, a few rows
+        each, which attend straight from the cache), then prefill spans."""
         ids: list[int] = []
         pos: list[int] = []
         slots: list[torch.Tensor] = []
@@ -110,11 +111,12 @@ class ModelRunner:
         sample_seqs: list[Sequence] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
+        decode_starts: list[int] = [0]
         spans: list[PrefillSpan] = []
         verify_rows: list[int] = []
         verify_seqs: list[tuple[Sequence, Draft]] = []
         bs = self.block_size
-        for chunk in out.chunks:
+        for chunk in sorted(out.chunks, key=lambda c: c.num_new_tokens > 1 and c.draft is None):
             seq, ctx, n = chunk.seq, chunk.num_context_tokens, chunk.num_new_tokens
             table = block_tables[seq.seq_id]
             start = len(ids)
@@ -125,23 +127,28 @@ class ModelRunner:
                 verify_seqs.append((seq, chunk.draft))
             pos.extend(range(ctx, ctx + n))
             if n == 1:
-                decode_tables.append(table)
-                decode_lens.append(ctx + 1)
                 slots.append(torch.tensor([table[ctx // bs] * bs + ctx % bs]))
             else:
                 table_t = torch.tensor(table, dtype=torch.long)
                 p = torch.arange(ctx, ctx + n)
                 slots.append(table_t[p // bs] * bs + p % bs)
+            if n == 1 or chunk.draft is not None:
+                decode_tables.append(table)
+                decode_lens.append(ctx + n)
+                decode_starts.append(decode_starts[-1] + n)
+            else:
                 spans.append(PrefillSpan(start, n, ctx, table_t.to(self.device)))
             if chunk.samples and chunk.draft is None:
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(seq)
+        multi_row = decode_starts[-1] != len(decode_lens)
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slots).to(self.device),
-            num_decode_tokens=len(decode_tables),
+            num_decode_tokens=decode_starts[-1],
             decode_block_tables=self._pad_tables(decode_tables),
             decode_seq_lens=torch.tensor(decode_lens, dtype=torch.long, device=self.device) if decode_lens else None,
-            prefills=tuple(spans))
+            prefills=tuple(spans),
+            decode_query_start=torch.tensor(decode_starts, dtype=torch.long, device=self.device) if multi_row else None)
         return ModelInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
             positions=torch.tensor(pos, dtype=torch.long, device=self.device),

@@ -11,23 +11,28 @@ prefix; sampled: rejection sampling, sampler.py). Rejected tokens' KV slots are 
     draft:PATH    a smaller model with the same tokenizer, its own KV cache
     self-int4     the target's own weights quantized to int4 (engine/quant.py), its own KV cache
 
-When to draft is a decision from measurements (rule: the marginal draft token must earn more tokens per
-second than the step already makes). With per-token acceptance a (Leviathan et al. 2023, eq. 1 assumes
-i.i.d. acceptance) the j-th draft token adds a^j expected tokens; it costs c seconds of verification
-(c_tok per token, c_span more for a sequence's first draft: its chunk leaves the batched decode path)
-plus the proposer's time per draft token d. Plain decoding at batch B makes R = B / T(B) tokens/s, and
-adding work dT that yields dN tokens raises N / T iff dN / dT > R. So a request drafts its j-th token iff
+When to draft is a decision from measurements: each step, the drafts that maximise expected tokens per
+second. With per-token acceptance a_r for request r (Leviathan et al. 2023, eq. 1 assumes i.i.d.
+acceptance), its j-th draft token adds a_r^j expected tokens; m draft tokens in a step of B decoding
+sequences cost T(B + m) - T(B) more target time plus m times the proposer's d per token. Candidates are
+taken in order of a_r^j and the plan keeps the prefix m that maximises
 
-    a_r^j > R * (c_tok + d + [j = 1] c_span)            (seconds x tokens/s: dimensionless)
+    (B + sum of the first m gains) / (T(B + m) + m d)            (m = 0: plain decoding, B / T(B))
 
-which switches a request off when its own acceptance a_r falls, and everyone off above the batch size
-where R * c approaches 1. T(tokens, spans) = c0 + c_tok tokens + c_span spans is calibrated at start-up
-with timed steps and refined online by exponentially weighted least squares on decode-only steps.
+T(rows) is not linear on a CPU: a packed int8/int4 kernel gives way to a dense one past a few rows (at 4 -> 5
+rows of the bundled model's Q8_0 weights a step costs 4 ms more, then ~0.3 ms a row), so it is a
+piecewise-linear curve through steps timed at start-up, scaled online by what decode steps really take.
+A request whose acceptance falls gets no candidates worth their cost; above the batch size where
+T(B + 1) - T(B) + d exceeds a B / T(B), nobody does. A draft model must first prefill the request's text
+in its own cache: that one-off cost is weighed against what the request's remaining tokens can save.
 This file is past ~400 lines because the proposers, the statistics and the decision change together.
 """
 
 from __future__ import annotations
 
+import bisect
+import ctypes
+import gc
 import logging
 import math
 import time
@@ -57,7 +62,9 @@ REQUEST_PRIOR_WEIGHT = 2.0  # pseudo-observations of the method's acceptance in 
 REQUEST_DECAY = 0.8  # per verification: a request's acceptance reflects its last ~5 drafts
 METHOD_DECAY = 0.995  # per verification: the method's acceptance reflects its last ~200 drafts
 REPROBE_AFTER = 16  # steps a switched-off request waits before its evidence is halved (and it may retry)
-COST_DECAY = 0.98  # per decode-only step, in the online least squares
+COST_DECAY = 0.98  # per decode-only step, in the online scale of the step cost
+PROBE_AFTER = 32  # steps without any draft after which one request drafts one token (to keep evidence)
+DEFAULT_REMAINING = 256  # tokens a request without max_tokens is expected to make (for a draft's prefill)
 
 
 # -- proposers ----------------------------------------------------------------------------------------
@@ -72,6 +79,12 @@ class Proposer(Protocol):
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft | None]: ...
     def release(self, seq_id: str) -> None: ...
+    def setup_seconds(self, seq: Sequence) -> float:
+        """What drafting for this sequence costs before its first draft token (a draft model's prefill)."""
+        ...
+
+    def release_all(self) -> None:
+        """Drop every per-sequence state and any model it holds (the speculator retires it)."""
 
 
 @dataclass
@@ -113,6 +126,31 @@ class NgramProposer:
     def release(self, seq_id: str) -> None:
         self.seq_to_index.pop(seq_id, None)
 
+    def setup_seconds(self, seq: Sequence) -> float:
+        return 0.0
+
+    def release_all(self) -> None:
+        self.seq_to_index.clear()
+
+
+class _RetiredProposer:
+    """What a retired speculator keeps: a name, and nothing to propose."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft | None]:
+        return [None] * len(seqs)
+
+    def release(self, seq_id: str) -> None:
+        pass
+
+    def setup_seconds(self, seq: Sequence) -> float:
+        return 0.0
+
+    def release_all(self) -> None:
+        pass
+
 
 class DraftModelProposer:
     """A smaller model (or the target's int4 copy) drafts k tokens autoregressively, with its own KV
@@ -122,9 +160,11 @@ class DraftModelProposer:
     Greedy requests draft the argmax; sampled ones draw from the draft's distribution q, which goes with
     the draft for rejection sampling."""
 
-    def __init__(self, name: str, runner: ModelRunner, kv: BlockManager, sampler: Sampler) -> None:
+    def __init__(self, name: str, runner: ModelRunner, kv: BlockManager, sampler: Sampler,
+                 prefill_s_per_token: float = 0.0) -> None:
         self.name = name
         self.runner, self.kv, self.sampler = runner, kv, sampler
+        self.prefill_s_per_token = prefill_s_per_token
         self.shadows: dict[str, Sequence] = {}
         self.shadow_to_num_target: dict[str, int] = {}  # target tokens the shadow copied at the last draft
 
@@ -133,6 +173,16 @@ class DraftModelProposer:
         self.shadow_to_num_target.pop(seq_id, None)
         self.kv.free(seq_id)
         self.sampler.release(seq_id)
+
+    def release_all(self) -> None:
+        self.shadows.clear()
+        self.shadow_to_num_target.clear()
+        del self.runner, self.kv  # the draft's weights and KV cache go with them
+
+    def setup_seconds(self, seq: Sequence) -> float:
+        shadow = self.shadows.get(seq.seq_id)
+        missing = seq.num_tokens - (shadow.num_computed_tokens if shadow is not None else 0)
+        return self.prefill_s_per_token * max(missing - 1, 0)  # the last token is a draft step's anyway
 
     def _sync(self, seq: Sequence) -> Sequence:
         shadow = self.shadows.get(seq.seq_id)
@@ -203,39 +253,45 @@ class DraftModelProposer:
 # -- measurements -------------------------------------------------------------------------------------
 
 
-class LinearCost:
-    """Step time y (s) = theta . x, fitted by exponentially weighted least squares, shrunk toward the
-    start-up calibration theta0 (a ridge prior worth `prior_weight` observations), so a batch size never
-    seen yet is predicted from the calibration."""
+class StepCost:
+    """Seconds for a decode step of `rows` query rows: piecewise linear through calibrated points (made
+    non-decreasing; extrapolated with the last segment's slope). Each real decode-only step pulls the two
+    points around its row count toward what it took (an exponentially weighted correction), so the curve
+    learns the contexts and the load it actually serves, where it serves them."""
 
-    def __init__(self, theta0: list[float], prior_weight: float = 8.0, decay: float = COST_DECAY) -> None:
-        n = len(theta0)
-        self.theta0 = list(theta0)
-        self.decay = decay
-        self.prior = prior_weight
-        self.xx = torch.zeros(n, n, dtype=torch.float64)  # weighted sum of x x^T
-        self.xy = torch.zeros(n, dtype=torch.float64)
-        self.theta = list(theta0)
-        self.num_observations = 0
+    def __init__(self, points: list[tuple[int, float]], adapt: bool = True) -> None:
+        if not points:
+            raise ValueError("a step cost needs at least one timed point")
+        pts = sorted(points)
+        if pts[0][0] > 1:
+            pts.insert(0, (1, pts[0][1]))
+        self.rows = [x for x, _ in pts]
+        self.seconds = [max(y for _, y in pts[:i + 1]) for i in range(len(pts))]  # running max
+        self.adapt = adapt
 
-    def observe(self, x: list[float], y: float) -> None:
-        xt = torch.tensor(x, dtype=torch.float64)
-        self.xx.mul_(self.decay).add_(torch.outer(xt, xt))
-        self.xy.mul_(self.decay).add_(xt * y)
-        self.num_observations += 1
-        if self.num_observations % 8 == 0:
-            self._solve()
+    def _segment(self, rows: float) -> tuple[int, float]:
+        """(i, w): rows lies w of the way from point i to point i + 1 (w > 1 past the last segment)."""
+        xs = self.rows
+        if len(xs) == 1:
+            return 0, 0.0
+        i = min(max(bisect.bisect_right(xs, rows) - 1, 0), len(xs) - 2)
+        return i, (rows - xs[i]) / (xs[i + 1] - xs[i])
 
-    def _solve(self) -> None:
-        # Ridge toward theta0, scaled per coordinate so the prior weighs like `prior` observations.
-        scale = torch.diagonal(self.xx).clamp(min=1e-12) / max(self.num_observations, 1)
-        ridge = torch.diag(self.prior * scale)
-        theta0 = torch.tensor(self.theta0, dtype=torch.float64)
-        theta = torch.linalg.solve(self.xx + ridge, self.xy + ridge @ theta0)
-        self.theta = [max(float(t), 0.0) for t in theta]
+    def predict(self, rows: float) -> float:
+        i, w = self._segment(rows)
+        if len(self.rows) == 1:
+            return self.seconds[0] * max(rows, 1) / self.rows[0]
+        return max(self.seconds[i] + w * (self.seconds[i + 1] - self.seconds[i]), 1e-6)
 
-    def predict(self, x: list[float]) -> float:
-        return sum(t * v for t, v in zip(self.theta, x, strict=True))
+    def observe(self, rows: int, seconds: float) -> None:
+        if not self.adapt or rows < 1 or len(self.rows) == 1:
+            return
+        i, w = self._segment(rows)
+        w = min(w, 1.0)
+        error = min(max(seconds, 0.25 * self.predict(rows)), 4 * self.predict(rows)) - self.predict(rows)
+        rate = 1 - COST_DECAY
+        self.seconds[i] = max(self.seconds[i] + rate * (1 - w) * error, 1e-6)
+        self.seconds[i + 1] = max(self.seconds[i + 1] + rate * w * error, 1e-6)
 
 
 @dataclass
@@ -263,10 +319,9 @@ class SpeculativeMetrics:
     break_even_acceptance: float  # at the current batch size
     break_even_batch: int  # largest batch at which drafting pays at the method's acceptance (0: none)
     batch_size: int
-    step_base_s: float  # calibrated/refined cost model: c0, c_tok, c_span (seconds)
-    step_per_token_s: float
-    step_per_span_s: float
-    draft_per_token_s: float
+    step_base_s: float  # cost model at the current batch B: T(B), a plain decode step (seconds)
+    step_per_token_s: float  # (T(B (1 + k)) - T(B)) / (B k): a draft row's verification (seconds)
+    draft_per_token_s: float  # the proposer's seconds per draft token
     num_decision_changes: int
 
 
@@ -296,8 +351,12 @@ class Speculator:
     """Proposes drafts where they pay, and measures acceptance and cost to know where that is."""
 
     def __init__(self, method: str, proposer: Proposer, num_speculative_tokens: int, max_model_len: int,
-                 max_num_seqs: int, target_cost: LinearCost, draft_cost_per_token: Callable[[int], float]) -> None:
+                 max_num_seqs: int, target_cost: StepCost, draft_cost_per_token: Callable[[int], float],
+                 verify_cost: tuple[float, float] = (0.0, 0.0)) -> None:
         self.method, self.proposer = method, proposer
+        # Verification beyond the rows' own cost: seconds per drafting sequence and per draft token (their
+        # logits over the whole vocabulary, the sampler's checks), measured at start-up.
+        self.span_s, self.draft_row_s = verify_cost
         self.k = num_speculative_tokens
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.cost = target_cost
@@ -311,7 +370,9 @@ class Speculator:
         self.time_saved_s = 0.0
         self.last_batch_size = 1
         self.last_propose_s = 0.0
-        self.enabled = self.acceptance_rate > self.decide(1)[0]
+        self.steps_without_draft = 0
+        self.retired = self.checked = False
+        self.enabled = self._pays(1, self.acceptance_rate)
         self.num_decision_changes = 0
         self.last_logged = 0.0
 
@@ -322,51 +383,120 @@ class Speculator:
         n = self.num_accepted_decayed + self.num_rejected_decayed
         return (self.num_accepted_decayed + METHOD_PRIOR_WEIGHT * PRIOR_ACCEPTANCE) / (n + METHOD_PRIOR_WEIGHT)
 
-    def decide(self, batch_size: int) -> tuple[float, float]:
-        """Break-even acceptances (first draft token, each later one) at this batch size: R * c."""
-        t_plain = max(self.cost.predict([1.0, batch_size, 0.0]), 1e-6)
-        rate = batch_size / t_plain  # tokens/s of plain decoding
-        per_token = self.cost.theta[1] + self.draft_cost_scale * self.draft_cost_per_token(batch_size)
-        return rate * (per_token + self.cost.theta[2]), rate * per_token
+    def _draft_s(self, batch: int) -> float:
+        return self.draft_cost_scale * self.draft_cost_per_token(batch)
+
+    def _best_prefix(self, batch: int, gains: list[tuple[float, bool]]) -> int:
+        """How many of the candidate draft tokens maximise tokens per second. `gains`: (expected tokens,
+        whether it is its request's first draft token), in decreasing order."""
+        d = self._draft_s(batch) + self.draft_row_s
+        best_rate, best_m, tokens, spans = batch / self.cost.predict(batch), 0, float(batch), 0
+        for m, (gain, first) in enumerate(gains, 1):
+            tokens += gain
+            spans += first
+            rate = tokens / (self.cost.predict(batch + m) + d * m + self.span_s * spans)
+            if rate > best_rate:
+                best_rate, best_m = rate, m
+        return best_m
+
+    def _pays(self, batch: int, alpha: float) -> bool:
+        """Would a batch of `batch` requests that all accept at `alpha` draft anything?"""
+        gains = [(alpha ** j, j == 1) for j in range(1, self.k + 1) for _ in range(batch)]
+        return self._best_prefix(batch, gains) > 0
+
+    def break_even(self, batch: int) -> float:
+        """The least acceptance at which drafting pays at this batch size (1.0: it never does)."""
+        if not self._pays(batch, 0.999):
+            return 1.0
+        lo, hi = 0.0, 0.999
+        for _ in range(10):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if self._pays(batch, mid) else (mid, hi)
+        return hi
 
     def break_even_batch(self) -> int:
         alpha = self.acceptance_rate
-        return max((b for b in range(1, self.max_num_seqs + 1) if alpha > self.decide(b)[0]), default=0)
+        return max((b for b in range(1, self.max_num_seqs + 1) if self._pays(b, alpha)), default=0)
 
     def _request_acceptance(self, ev: _RequestEvidence) -> float:
         return ((ev.num_accepted + REQUEST_PRIOR_WEIGHT * self.acceptance_rate)
                 / (ev.num_accepted + ev.num_rejected + REQUEST_PRIOR_WEIGHT))
 
-    def _num_to_draft(self, seq: Sequence, first: float, later: float) -> int:
-        limit = draft_limit(seq, self.k, self.max_model_len)
-        if limit < 1:
-            return 0
-        ev = self.seq_to_evidence.setdefault(seq.seq_id, _RequestEvidence())
-        alpha = self._request_acceptance(ev)
-        if alpha <= first:
-            ev.num_skipped += 1
-            if ev.num_skipped >= REPROBE_AFTER:  # forget half: the method's acceptance pulls it back
-                ev.num_accepted, ev.num_rejected, ev.num_skipped = ev.num_accepted / 2, ev.num_rejected / 2, 0
-            return 0
-        k = 1
-        while k < limit and alpha ** (k + 1) > later:
-            k += 1
-        return k
+    def _setup_pays(self, seq: Sequence, alpha: float, batch: int) -> bool:
+        """A draft model's one-off prefill of this request against what its remaining tokens can save."""
+        setup = self.proposer.setup_seconds(seq)
+        if setup <= 0:
+            return True
+        p = seq.params
+        remaining = (p.max_tokens - seq.num_output_tokens if p.max_tokens is not None
+                     else min(DEFAULT_REMAINING, self.max_model_len - seq.num_tokens))
+        per_token = self.cost.predict(batch) / batch
+        best = 0.0
+        for k in range(1, self.k + 1):  # the best number of drafts at this acceptance
+            expected = sum(alpha ** j for j in range(k + 1))  # tokens per speculative step
+            extra = (self.cost.predict(batch + k) - self.cost.predict(batch) + self.span_s
+                     + (self._draft_s(batch) + self.draft_row_s) * k)
+            best = max(best, ((expected - 1) * per_token - extra) * remaining / expected)
+        return best > setup
+
+    def retire_if_hopeless(self) -> bool:
+        """Where drafts that were always accepted would not pay even alone (a draft as slow as the target),
+        drop the proposer for good, freeing a draft model's weights and cache; metrics keep the evidence."""
+        if self.retired or self._pays(1, 0.999):
+            return False
+        self.proposer.release_all()
+        self.proposer = _RetiredProposer(self.proposer.name)
+        self.retired = True
+        _return_freed_memory()
+        return True
+
+    def plan(self, running: list[Sequence]) -> dict[str, int]:
+        """Draft tokens per request this step (absent: none)."""
+        if not self.checked:  # at the first step, so that a cost model set after start-up counts
+            self.checked = True
+            if self.retire_if_hopeless():
+                logger.warning("speculative %s switched off for good: even drafts that were always accepted "
+                               "would not pay on this machine, not even for a single stream (%s); its draft "
+                               "model is freed", self.method, self.describe(1))
+        if self.retired:
+            return {}
+        batch = max(len(running), 1)
+        candidates: list[tuple[float, int, int]] = []  # (expected tokens it adds, position in running, j)
+        for i, seq in enumerate(running):
+            if (limit := draft_limit(seq, self.k, self.max_model_len)) < 1:
+                continue
+            ev = self.seq_to_evidence.setdefault(seq.seq_id, _RequestEvidence())
+            alpha = self._request_acceptance(ev)
+            if self._setup_pays(seq, alpha, batch):
+                candidates.extend((alpha ** j, i, j) for j in range(1, limit + 1))
+        candidates.sort(key=lambda c: (-c[0], c[2]))
+        chosen = candidates[:self._best_prefix(batch, [(g, j == 1) for g, _, j in candidates])]
+        ks: dict[str, int] = {}
+        for _, i, _ in chosen:
+            ks[running[i].seq_id] = ks.get(running[i].seq_id, 0) + 1
+        if not ks and candidates:
+            self.steps_without_draft += 1
+            if self.steps_without_draft >= PROBE_AFTER:  # keep some evidence: one request drafts one token
+                ks[running[candidates[0][1]].seq_id] = 1
+        for seq in running:
+            if seq.seq_id not in ks and (ev := self.seq_to_evidence.get(seq.seq_id)) is not None:
+                ev.num_skipped += 1
+                if ev.num_skipped >= REPROBE_AFTER:  # forget half: the method's acceptance pulls it back
+                    ev.num_accepted, ev.num_rejected, ev.num_skipped = ev.num_accepted / 2, ev.num_rejected / 2, 0
+        if ks:
+            self.steps_without_draft = 0
+        return ks
 
     # -- the step -----------------------------------------------------------------------------------
 
     def propose(self, running: list[Sequence]) -> dict[str, Draft]:
         start = time.perf_counter()
-        self.last_batch_size = batch = max(len(running), 1)
-        first, later = self.decide(batch)
-        seqs, ks = [], []
-        for seq in running:
-            if (k := self._num_to_draft(seq, first, later)) > 0:
-                seqs.append(seq)
-                ks.append(k)
+        self.last_batch_size = max(len(running), 1)
+        ks = self.plan(running)
         drafts: dict[str, Draft] = {}
-        if seqs:
-            for seq, draft in zip(seqs, self.proposer.propose(seqs, ks), strict=True):
+        if ks:
+            seqs = [seq for seq in running if seq.seq_id in ks]
+            for seq, draft in zip(seqs, self.proposer.propose(seqs, [ks[s.seq_id] for s in seqs]), strict=True):
                 if draft is not None and draft.token_ids:
                     drafts[seq.seq_id] = draft
         self.last_propose_s = time.perf_counter() - start
@@ -376,7 +506,7 @@ class Speculator:
                 stats: StepStats) -> None:
         """Count acceptance, refine the cost model, and note a change of the global decision."""
         seq_to_num_emitted = {seq.seq_id: len(toks) for seq, toks in results}
-        num_spans = num_draft = num_accepted = 0
+        num_draft = num_accepted = 0
         has_prefill = False
         for chunk in sched.chunks:
             has_prefill |= chunk.is_prefill
@@ -385,20 +515,21 @@ class Speculator:
             k = chunk.num_draft_tokens
             accepted = max(seq_to_num_emitted.get(chunk.seq.seq_id, 1) - 1, 0)
             self._count(chunk.seq.seq_id, k, accepted)
-            num_spans += 1
             num_draft += k
             num_accepted += accepted
         verify_s = stats.duration_s - self.last_propose_s
+        rows = sched.num_batched_tokens
         if not has_prefill and sched.chunks:
-            self.cost.observe([1.0, float(sched.num_batched_tokens), float(num_spans)], verify_s)
+            self.cost.observe(rows, verify_s)
         batch = max(len(sched.chunks), 1)
         if num_draft:
             modelled = self.draft_cost_per_token(batch) * num_draft
             if modelled > 0:
                 self.draft_cost_scale = 0.9 * self.draft_cost_scale + 0.1 * min(self.last_propose_s / modelled, 10.0)
-            t_plain = self.cost.predict([1.0, batch, 0.0])
-            extra = self.cost.theta[1] * num_draft + self.cost.theta[2] * num_spans + self.last_propose_s
-            self.time_saved_s += num_accepted * t_plain / batch - extra
+            plain = self.cost.predict(rows - num_draft)
+            extra = (self.cost.predict(rows) - plain + self.last_propose_s + self.draft_row_s * num_draft
+                     + self.span_s * sum(c.draft is not None for c in sched.chunks))
+            self.time_saved_s += num_accepted * plain / batch - extra
         for seq, _ in results:
             if seq.is_finished:
                 self.release(seq.seq_id)
@@ -422,7 +553,7 @@ class Speculator:
         ev.num_skipped = 0
 
     def _note_decision(self, batch: int) -> None:
-        enabled = self.acceptance_rate > self.decide(batch)[0]
+        enabled = not self.retired and self._pays(batch, self.acceptance_rate)
         if enabled == self.enabled:
             return
         self.enabled = enabled
@@ -433,13 +564,15 @@ class Speculator:
             logger.info("speculative %s: now %s at batch %d — %s", self.method, "on" if enabled else "off",
                         batch, self.describe(batch))
 
+    def _per_draft_row_s(self, batch: int) -> float:
+        rows = (self.cost.predict(batch * (1 + self.k)) - self.cost.predict(batch)) / (batch * self.k)
+        return rows + self.draft_row_s + self.span_s / self.k
+
     def describe(self, batch: int) -> str:
-        first, _ = self.decide(batch)
-        return (f"acceptance {self.acceptance_rate:.2f} vs break-even {first:.2f}; step cost "
-                f"{self.cost.theta[0] * 1e3:.2f} ms + {self.cost.theta[1] * 1e3:.3f} ms/token + "
-                f"{self.cost.theta[2] * 1e3:.3f} ms per speculative sequence, drafting "
-                f"{self.draft_cost_scale * self.draft_cost_per_token(batch) * 1e3:.3f} ms/token; "
-                f"pays up to batch {self.break_even_batch()}")
+        return (f"acceptance {self.acceptance_rate:.2f} vs break-even {self.break_even(batch):.2f}; a plain step "
+                f"{self.cost.predict(batch) * 1e3:.2f} ms, verifying {self.k} drafts each "
+                f"{self._per_draft_row_s(batch) * 1e3:.3f} ms/token, drafting {self._draft_s(batch) * 1e3:.3f} "
+                f"ms/token; pays up to batch {self.break_even_batch()}")
 
     def release(self, seq_id: str) -> None:
         self.seq_to_evidence.pop(seq_id, None)
@@ -453,11 +586,19 @@ class Speculator:
             num_emitted_tokens=self.num_emitted_tokens, accepted_by_position=tuple(self.accepted_by_position),
             drafted_by_position=tuple(self.drafted_by_position), time_saved_s=self.time_saved_s,
             enabled=self.enabled, acceptance_rate=self.acceptance_rate,
-            break_even_acceptance=self.decide(batch)[0], break_even_batch=self.break_even_batch(),
-            batch_size=batch, step_base_s=self.cost.theta[0], step_per_token_s=self.cost.theta[1],
-            step_per_span_s=self.cost.theta[2],
-            draft_per_token_s=self.draft_cost_scale * self.draft_cost_per_token(batch),
-            num_decision_changes=self.num_decision_changes)
+            break_even_acceptance=self.break_even(batch), break_even_batch=self.break_even_batch(),
+            batch_size=batch, step_base_s=self.cost.predict(batch), step_per_token_s=self._per_draft_row_s(batch),
+            draft_per_token_s=self._draft_s(batch), num_decision_changes=self.num_decision_changes)
+
+
+def _return_freed_memory() -> None:
+    """Hand the freed draft model back to the OS (glibc keeps freed heap pages otherwise): measured here, a
+    process holding ~500 MB more than it uses decoded ~7% slower, the same steps on the same weights."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: the allocator keeps what it keeps
 
 
 def draft_limit(seq: Sequence, k: int, max_model_len: int) -> int:
@@ -480,20 +621,24 @@ def draft_limit(seq: Sequence, k: int, max_model_len: int) -> int:
 # -- calibration and construction ---------------------------------------------------------------------
 
 
-def time_step(runner: ModelRunner, kv: BlockManager, batch: int, k: int, ctx: int, repeats: int = 5) -> float:
-    """Seconds for one step of `batch` sequences with `ctx` cached tokens, each decoding one token plus
-    k draft tokens (k = 0: plain decode), verification included; the least of `repeats` runs. Run only
-    while the pool holds no cached prefix: it writes KV into blocks it allocates and frees."""
+def time_step(runner: ModelRunner, kv: BlockManager, batch: int, k: int, ctx: int, repeats: int = 5,
+              new_tokens: int = 1) -> float:
+    """Seconds for one step of `batch` sequences with `ctx` cached tokens, each computing `new_tokens`
+    tokens plus k draft tokens (k = 0, new_tokens = 1: plain decode; new_tokens > 1: prefill chunks),
+    sampling or verification included; the least of `repeats` runs. Run only while the pool holds no
+    cached prefix: it writes KV into blocks it allocates and frees."""
     params = SamplingParams(temperature=0.0, max_tokens=None)
-    seqs = [Sequence(f"calibrate-{i}", f"calibrate-{i}", 0, [0] * (ctx + 1), params, 0.0) for i in range(batch)]
+    length = ctx + new_tokens
+    seqs = [Sequence(f"calibrate-{i}", f"calibrate-{i}", 0, [0] * length, params, 0.0) for i in range(batch)]
     chunks = []
     for seq in seqs:
         seq.num_computed_tokens = ctx
-        if not kv.allocate(seq.seq_id, ctx + 1 + k):
+        if not kv.allocate(seq.seq_id, length + k):
+            for s in seqs:
+                kv.free(s.seq_id)
             raise ValueError("the KV cache is too small to calibrate speculative decoding")
-        chunks.append(ScheduledChunk(seq, 1 + k, ctx, Draft([0] * k) if k else None))
-    # The context was never written: zero it, so that no non-finite leftover reaches the KV it writes
-    # (padded decode reads of a freed block must stay finite, see model_runner.py).
+        chunks.append(ScheduledChunk(seq, new_tokens + k, ctx, Draft([0] * k) if k else None))
+    # The context was never written: zero it, so that no non-finite leftover reaches the KV it writes.
     used = torch.tensor([b for seq in seqs for b in kv.block_ids(seq.seq_id)], dtype=torch.long)
     for k_cache, v_cache in runner.kv_caches:
         k_cache[:, used.to(k_cache.device)] = 0
@@ -517,19 +662,36 @@ def calibration_context(kv: BlockManager, k: int, max_model_len: int) -> int:
     return max(min(128, max_model_len - k - 2, (per_seq_blocks - 1) * kv.block_size - k - 1), 1)
 
 
-def calibrate_target(runner: ModelRunner, kv: BlockManager, k: int, max_model_len: int) -> list[float]:
-    """[c0, c_tok, c_span] in seconds, least squares over timed steps at batch 1 and 4 with and without
-    k draft tokens."""
+CALIBRATION_ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def calibrate_target(runner: ModelRunner, kv: BlockManager, k: int, max_model_len: int,
+                     max_rows: int) -> list[tuple[int, float]]:
+    """(rows, seconds) of plain decode steps of 1 .. max_rows sequences (a speculative chunk's rows cost
+    what as many decode rows do: the attention kernel reads each sequence's keys once either way)."""
     ctx = calibration_context(kv, k, max_model_len)
-    time_step(runner, kv, 1, k, ctx, repeats=1)  # warm-up
-    rows, ys = [], []
-    for batch in (1, 4):
-        for kk in (0, k):
-            rows.append([1.0, batch * (1 + kk), batch if kk else 0])
-            ys.append(time_step(runner, kv, batch, kk, ctx))
-    theta = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64),
-                               torch.tensor(ys, dtype=torch.float64).unsqueeze(1)).solution.squeeze(1)
-    return [max(float(t), 0.0) for t in theta]
+    time_step(runner, kv, 1, 0, ctx, repeats=1)  # warm-up
+    points = []
+    for rows in (r for r in CALIBRATION_ROWS if r <= max(max_rows, 1)):
+        per_seq = max(min(ctx, kv.num_free_blocks // rows * kv.block_size - kv.block_size), 1)
+        try:
+            points.append((rows, time_step(runner, kv, rows, 0, per_seq, repeats=3)))
+        except ValueError:
+            break  # the pool holds no more sequences: extrapolate from the last points
+    return points
+
+
+def calibrate_verify(runner: ModelRunner, kv: BlockManager, k: int, max_model_len: int,
+                     cost: StepCost) -> tuple[float, float]:
+    """(seconds per drafting sequence, seconds per draft token) that a speculative chunk costs beyond as
+    many plain decode rows, from one sequence verifying 1 and k drafts."""
+    ctx = calibration_context(kv, k, max_model_len)
+    extra_1 = time_step(runner, kv, 1, 1, ctx, repeats=3) - cost.predict(2)
+    if k == 1:
+        return max(extra_1, 0.0), 0.0
+    extra_k = time_step(runner, kv, 1, k, ctx, repeats=3) - cost.predict(1 + k)
+    per_row = max((extra_k - extra_1) / (k - 1), 0.0)
+    return max(extra_1 - per_row, 0.0), per_row
 
 
 def _draft_model_proposer(name: str, engine: LLMEngine, draft: LoadedModel, quantization: str
@@ -553,8 +715,10 @@ def _draft_model_proposer(name: str, engine: LLMEngine, draft: LoadedModel, quan
     d1, d4 = time_step(runner, kv, 1, 0, ctx), time_step(runner, kv, 4, 0, ctx)
     slope = max((d4 - d1) / 3, 0.0)
     base = max(d1 - slope, 0.0)
+    prefill = time_step(runner, kv, 1, 0, 0, repeats=2, new_tokens=ctx) / ctx
     # One draft forward per drafted position serves the whole batch: per sequence and token (base + slope B) / B.
-    return DraftModelProposer(name, runner, kv, sampler), lambda b: (base + slope * b) / max(b, 1)
+    return (DraftModelProposer(name, runner, kv, sampler, prefill_s_per_token=prefill),
+            lambda b: (base + slope * b) / max(b, 1))
 
 
 def _ngram(engine: LLMEngine, target: LoadedModel, arg: str | None) -> tuple[Proposer, Callable[[int], float]]:
@@ -587,9 +751,13 @@ def build_speculator(config: EngineConfig, target: LoadedModel, engine: LLMEngin
         raise ParameterError("speculative", f"speculative must be none, ngram, draft:PATH or self-int4, "
                              f"got {config.speculative!r}")
     proposer, draft_cost = METHODS[name](engine, target, arg or None)
-    theta0 = calibrate_target(engine.runner, engine.kv, config.num_speculative_tokens, engine.max_model_len)
-    spec = Speculator(config.speculative, proposer, config.num_speculative_tokens, engine.max_model_len,
-                      config.max_num_seqs, LinearCost(theta0), draft_cost)
+    k = config.num_speculative_tokens
+    points = calibrate_target(engine.runner, engine.kv, k, engine.max_model_len,
+                              min(config.max_num_batched_tokens, config.max_num_seqs * (1 + k)))
+    cost = StepCost(points)
+    verify = calibrate_verify(engine.runner, engine.kv, k, engine.max_model_len, cost)
+    spec = Speculator(config.speculative, proposer, k, engine.max_model_len, config.max_num_seqs, cost, draft_cost,
+                      verify)
     logger.info("speculative %s, up to %d draft tokens: %s at batch 1 — %s", config.speculative,
                 config.num_speculative_tokens, "on" if spec.enabled else "off", spec.describe(1))
     return spec

@@ -6,8 +6,13 @@
 // reads each key and value once, in place: scores, softmax and the weighted sum of values in float32,
 // for the `group` query heads that share the KV head (grouped-query attention without repeating K/V).
 //
-// Layouts (as in attention.py): q (D, num_heads, d); caches (num_kv_heads, num_blocks, block_size, d);
-// block_tables (D, max_blocks) int64; seq_lens (D,) int64, each >= 1. Returns (D, num_heads, d) in q's dtype.
+// A sequence may bring several query rows (a speculative chunk: its last token and the drafts); its rows are
+// one task too, so its keys are still read once, each row seeing keys up to its own position.
+//
+// Layouts (as in attention.py): q (T, num_heads, d); caches (num_kv_heads, num_blocks, block_size, d);
+// block_tables (S, max_blocks) int64; seq_lens (S,) int64: keys of each sequence, this step's included;
+// query_start (S + 1,) int64: sequence s owns rows [query_start[s], query_start[s + 1]) of q, and its row r
+// of n sits at position seq_lens[s] - n + r. Returns (T, num_heads, d) in q's dtype.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -36,66 +41,81 @@ inline void axpy(float w, const T* __restrict v, float* __restrict acc, int64_t 
 }
 
 template <typename T>
-void decode_task(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t len,
-                 int64_t head, int64_t group, int64_t d, int64_t num_blocks, int64_t block_size, float scale,
-                 T* out, std::vector<float>& buf) {
-  // buf: group * d query floats, group * len scores, group * d accumulators.
-  buf.resize(static_cast<size_t>(group * (2 * d + len)));
+void attend_task(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t len,
+                 int64_t num_rows, int64_t num_heads, int64_t head, int64_t group, int64_t d, int64_t num_blocks,
+                 int64_t block_size, float scale, T* out, std::vector<float>& buf) {
+  // Queries: num_rows x group, row r (of this sequence's chunk) sees keys [0, len - num_rows + r].
+  // buf: queries * d query floats, queries * len scores, queries * d accumulators.
+  const int64_t nq = num_rows * group;
+  buf.resize(static_cast<size_t>(nq * (2 * d + len)));
   float* qf = buf.data();
-  float* scores = qf + group * d;
-  float* acc = scores + group * len;
-  for (int64_t j = 0; j < group * d; ++j) qf[j] = to_float(q[j]) * scale;
+  float* scores = qf + nq * d;
+  float* acc = scores + nq * len;
+  for (int64_t r = 0; r < num_rows; ++r)
+    for (int64_t i = 0; i < group * d; ++i) qf[r * group * d + i] = to_float(q[r * num_heads * d + i]) * scale;
   const int64_t head_offset = head * num_blocks * block_size * d;
+  // Every query scores every key (a row's few keys past its own position are zeroed below): one pass
+  // over the keys serves all rows of a speculative chunk.
   for (int64_t t0 = 0; t0 < len; t0 += block_size) {
     const T* kb = k_cache + head_offset + table[t0 / block_size] * block_size * d;
     const int64_t n = std::min(block_size, len - t0);
     for (int64_t t = 0; t < n; ++t)
-      for (int64_t j = 0; j < group; ++j) scores[j * len + t0 + t] = dot(qf + j * d, kb + t * d, d);
+      for (int64_t j = 0; j < nq; ++j) scores[j * len + t0 + t] = dot(qf + j * d, kb + t * d, d);
   }
-  std::fill(acc, acc + group * d, 0.f);
-  std::vector<float> denom(static_cast<size_t>(group));
-  for (int64_t j = 0; j < group; ++j) {
+  std::fill(acc, acc + nq * d, 0.f);
+  std::vector<float> denom(static_cast<size_t>(nq));
+  for (int64_t j = 0; j < nq; ++j) {
+    const int64_t visible = len - num_rows + j / group + 1;
     float* s = scores + j * len;
-    const float m = *std::max_element(s, s + len);
+    const float m = *std::max_element(s, s + visible);
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < len; ++t) {
+    for (int64_t t = 0; t < visible; ++t) {
       s[t] = std::exp(s[t] - m);
       sum += s[t];
     }
+    std::fill(s + visible, s + len, 0.f);
     denom[j] = sum;
   }
   for (int64_t t0 = 0; t0 < len; t0 += block_size) {
     const T* vb = v_cache + head_offset + table[t0 / block_size] * block_size * d;
     const int64_t n = std::min(block_size, len - t0);
     for (int64_t t = 0; t < n; ++t)
-      for (int64_t j = 0; j < group; ++j) axpy(scores[j * len + t0 + t], vb + t * d, acc + j * d, d);
+      for (int64_t j = 0; j < nq; ++j) axpy(scores[j * len + t0 + t], vb + t * d, acc + j * d, d);
   }
-  for (int64_t j = 0; j < group; ++j) {
+  for (int64_t j = 0; j < nq; ++j) {
     const float inv = 1.f / denom[j];
-    for (int64_t i = 0; i < d; ++i) out[j * d + i] = static_cast<T>(acc[j * d + i] * inv);
+    T* o = out + (j / group) * num_heads * d + (j % group) * d;
+    for (int64_t i = 0; i < d; ++i) o[i] = static_cast<T>(acc[j * d + i] * inv);
   }
 }
 
 }  // namespace
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+                                     torch::Tensor block_tables, torch::Tensor seq_lens,
+                                     torch::Tensor query_start, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "not contiguous");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(), "dtypes");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && seq_lens.scalar_type() == torch::kLong, "index dtype");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && seq_lens.scalar_type() == torch::kLong &&
+                  query_start.scalar_type() == torch::kLong, "index dtype");
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
-  const int64_t num_seqs = q.size(0), num_heads = q.size(1), d = q.size(2);
+  auto starts = query_start.contiguous();
+  const int64_t num_seqs = tables.size(0), num_heads = q.size(1), d = q.size(2);
   const int64_t num_kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == d && num_heads % num_kv_heads == 0, "head dims");
-  TORCH_CHECK(tables.size(0) == num_seqs && lens.size(0) == num_seqs, "one table and length per sequence");
+  TORCH_CHECK(lens.size(0) == num_seqs && starts.size(0) == num_seqs + 1, "one length and start per sequence");
   const int64_t group = num_heads / num_kv_heads, max_blocks = tables.size(1);
   const int64_t* lens_p = lens.data_ptr<int64_t>();
+  const int64_t* starts_p = starts.data_ptr<int64_t>();
   const int64_t* tables_p = tables.data_ptr<int64_t>();
+  TORCH_CHECK(starts_p[0] == 0 && starts_p[num_seqs] == q.size(0), "query rows must cover q");
   for (int64_t s = 0; s < num_seqs; ++s) {
-    TORCH_CHECK(lens_p[s] >= 1 && lens_p[s] <= max_blocks * block_size, "sequence length outside its table");
+    const int64_t rows = starts_p[s + 1] - starts_p[s];
+    TORCH_CHECK(rows >= 1 && rows <= lens_p[s], "query rows of a sequence must be 1..its length");
+    TORCH_CHECK(lens_p[s] <= max_blocks * block_size, "sequence length outside its table");
     for (int64_t b = 0; b < (lens_p[s] + block_size - 1) / block_size; ++b) {
       const int64_t block = tables_p[s * max_blocks + b];
       TORCH_CHECK(block >= 0 && block < num_blocks, "block id outside the cache");
@@ -106,15 +126,15 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     const scalar_t* qp = q.data_ptr<scalar_t>();
     const scalar_t* kp = k_cache.data_ptr<scalar_t>();
     const scalar_t* vp = v_cache.data_ptr<scalar_t>();
-    const int64_t* tp = tables_p;
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> buf;
       for (int64_t task = begin; task < end; ++task) {
         const int64_t s = task / num_kv_heads, h = task % num_kv_heads;
-        const int64_t row = (s * num_heads + h * group) * d;
-        decode_task<scalar_t>(qp + row, kp, vp, tp + s * max_blocks, lens_p[s], h, group, d, num_blocks,
-                              block_size, static_cast<float>(scale), op + row, buf);
+        const int64_t offset = (starts_p[s] * num_heads + h * group) * d;
+        attend_task<scalar_t>(qp + offset, kp, vp, tables_p + s * max_blocks, lens_p[s],
+                              starts_p[s + 1] - starts_p[s], num_heads, h, group, d, num_blocks, block_size,
+                              static_cast<float>(scale), op + offset, buf);
       }
     });
   });
