@@ -376,3 +376,16 @@ def test_a_draft_as_slow_as_the_target_is_retired_and_its_model_freed(tiny) -> N
     assert generate(engine, prompts()[:2], params) == generate(make_engine(loaded), prompts()[:2], params)
     m = spec.metrics()
     assert m.num_drafts == 0 and not m.enabled and m.break_even_acceptance == 1.0
+
+
+@pytest.mark.parametrize("ratio,built", [(1.0, False), (0.25, True)])
+def test_self_int4_of_a_target_as_small_is_never_built(tiny, monkeypatch, ratio, built) -> None:
+    import tokenfactory.engine.speculative as speculative
+
+    loaded, _ = tiny
+    monkeypatch.setattr(speculative, "int4_bytes_ratio", lambda model: ratio)
+    monkeypatch.setattr(speculative, "calibrate_target", lambda *a: [(1, 0.010), (256, 0.010)])  # flat
+    spec = make_engine(loaded, "self-int4").speculator
+    # Flat T: k always-accepted drafts pay iff (1 + k) T > T + k ratio T, i.e. iff ratio < 1.
+    assert isinstance(spec.proposer, speculative.DraftModelProposer) is built
+    assert spec.retired is not built and spec.metrics().enabled is built

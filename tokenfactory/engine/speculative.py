@@ -62,7 +62,7 @@ REQUEST_PRIOR_WEIGHT = 2.0  # pseudo-observations of the method's acceptance in 
 REQUEST_DECAY = 0.8  # per verification: a request's acceptance reflects its last ~5 drafts
 METHOD_DECAY = 0.995  # per verification: the method's acceptance reflects its last ~200 drafts
 REPROBE_AFTER = 16  # steps a switched-off request waits before its evidence is halved (and it may retry)
-COST_DECAY = 0.98  # per decode-only step, in the online scale of the step cost
+COST_DECAY = 0.9  # per decode-only step: how fast the step-cost curve follows what steps take
 PROBE_AFTER = 32  # steps without any draft after which one request drafts one token (to keep evidence)
 DEFAULT_REMAINING = 256  # tokens a request without max_tokens is expected to make (for a draft's prefill)
 
@@ -134,10 +134,10 @@ class NgramProposer:
 
 
 class _RetiredProposer:
-    """What a retired speculator keeps: a name, and nothing to propose."""
+    """What a retired speculator keeps: a name, why, and nothing to propose."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self, name: str, reason: str = "") -> None:
+        self.name, self.reason = name, reason
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft | None]:
         return [None] * len(seqs)
@@ -259,9 +259,13 @@ class StepCost:
     points around its row count toward what it took (an exponentially weighted correction), so the curve
     learns the contexts and the load it actually serves, where it serves them."""
 
-    def __init__(self, points: list[tuple[int, float]], adapt: bool = True) -> None:
+    def __init__(self, points: list[tuple[int, float]], adapt: bool = True, context: int = 0,
+                 s_per_context_token: float = 0.0) -> None:
+        """`points` were timed with rows of `context` cached tokens each; a row of c tokens costs
+        (c - context) * s_per_context_token more (attention reads and scores its keys)."""
         if not points:
             raise ValueError("a step cost needs at least one timed point")
+        self.context, self.s_per_context_token = context, s_per_context_token
         pts = sorted(points)
         if pts[0][0] > 1:
             pts.insert(0, (1, pts[0][1]))
@@ -277,18 +281,25 @@ class StepCost:
         i = min(max(bisect.bisect_right(xs, rows) - 1, 0), len(xs) - 2)
         return i, (rows - xs[i]) / (xs[i + 1] - xs[i])
 
-    def predict(self, rows: float) -> float:
+    def _curve(self, rows: float) -> float:
         i, w = self._segment(rows)
         if len(self.rows) == 1:
             return self.seconds[0] * max(rows, 1) / self.rows[0]
         return max(self.seconds[i] + w * (self.seconds[i + 1] - self.seconds[i]), 1e-6)
 
-    def observe(self, rows: int, seconds: float) -> None:
+    def predict(self, rows: float, context_tokens: float | None = None) -> float:
+        """`context_tokens`: the sum over rows of their cached tokens (None: `context` each)."""
+        extra = 0.0 if context_tokens is None else (context_tokens - rows * self.context) * self.s_per_context_token
+        return max(self._curve(rows) + extra, 1e-6)
+
+    def observe(self, rows: int, seconds: float, context_tokens: float | None = None) -> None:
         if not self.adapt or rows < 1 or len(self.rows) == 1:
             return
         i, w = self._segment(rows)
         w = min(w, 1.0)
-        error = min(max(seconds, 0.25 * self.predict(rows)), 4 * self.predict(rows)) - self.predict(rows)
+        curve = self._curve(rows)
+        seconds -= self.predict(rows, context_tokens) - curve  # what the curve itself should have said
+        error = min(max(seconds, 0.25 * curve), 4 * curve) - curve
         rate = 1 - COST_DECAY
         self.seconds[i] = max(self.seconds[i] + rate * (1 - w) * error, 1e-6)
         self.seconds[i + 1] = max(self.seconds[i + 1] + rate * w * error, 1e-6)
@@ -371,6 +382,7 @@ class Speculator:
         self.last_batch_size = 1
         self.last_propose_s = 0.0
         self.steps_without_draft = 0
+        self.last_mean_context = float(target_cost.context)
         self.retired = self.checked = False
         self.enabled = self._pays(1, self.acceptance_rate)
         self.num_decision_changes = 0
@@ -386,23 +398,26 @@ class Speculator:
     def _draft_s(self, batch: int) -> float:
         return self.draft_cost_scale * self.draft_cost_per_token(batch)
 
-    def _best_prefix(self, batch: int, gains: list[tuple[float, bool]]) -> int:
+    def _best_prefix(self, batch: int, gains: list[tuple[float, bool, int]], context: float) -> int:
         """How many of the candidate draft tokens maximise tokens per second. `gains`: (expected tokens,
-        whether it is its request's first draft token), in decreasing order."""
+        whether it is its request's first draft token, its context), in decreasing order; `context`: the
+        plain step's cached tokens summed over its rows."""
         d = self._draft_s(batch) + self.draft_row_s
-        best_rate, best_m, tokens, spans = batch / self.cost.predict(batch), 0, float(batch), 0
-        for m, (gain, first) in enumerate(gains, 1):
+        best_rate, best_m, tokens, spans = batch / self.cost.predict(batch, context), 0, float(batch), 0
+        for m, (gain, first, ctx) in enumerate(gains, 1):
             tokens += gain
             spans += first
-            rate = tokens / (self.cost.predict(batch + m) + d * m + self.span_s * spans)
+            context += ctx
+            rate = tokens / (self.cost.predict(batch + m, context) + d * m + self.span_s * spans)
             if rate > best_rate:
                 best_rate, best_m = rate, m
         return best_m
 
     def _pays(self, batch: int, alpha: float) -> bool:
         """Would a batch of `batch` requests that all accept at `alpha` draft anything?"""
-        gains = [(alpha ** j, j == 1) for j in range(1, self.k + 1) for _ in range(batch)]
-        return self._best_prefix(batch, gains) > 0
+        ctx = self.last_mean_context
+        gains = [(alpha ** j, j == 1, ctx) for j in range(1, self.k + 1) for _ in range(batch)]
+        return self._best_prefix(batch, gains, ctx * batch) > 0
 
     def break_even(self, batch: int) -> float:
         """The least acceptance at which drafting pays at this batch size (1.0: it never does)."""
@@ -462,6 +477,8 @@ class Speculator:
             return {}
         batch = max(len(running), 1)
         candidates: list[tuple[float, int, int]] = []  # (expected tokens it adds, position in running, j)
+        context = sum(seq.num_tokens for seq in running)
+        self.last_mean_context = context / batch
         for i, seq in enumerate(running):
             if (limit := draft_limit(seq, self.k, self.max_model_len)) < 1:
                 continue
@@ -470,7 +487,8 @@ class Speculator:
             if self._setup_pays(seq, alpha, batch):
                 candidates.extend((alpha ** j, i, j) for j in range(1, limit + 1))
         candidates.sort(key=lambda c: (-c[0], c[2]))
-        chosen = candidates[:self._best_prefix(batch, [(g, j == 1) for g, _, j in candidates])]
+        gains = [(g, j == 1, running[i].num_tokens + j) for g, i, j in candidates]
+        chosen = candidates[:self._best_prefix(batch, gains, context)]
         ks: dict[str, int] = {}
         for _, i, _ in chosen:
             ks[running[i].seq_id] = ks.get(running[i].seq_id, 0) + 1
@@ -520,7 +538,7 @@ class Speculator:
         verify_s = stats.duration_s - self.last_propose_s
         rows = sched.num_batched_tokens
         if not has_prefill and sched.chunks:
-            self.cost.observe(rows, verify_s)
+            self.cost.observe(rows, verify_s, sum(c.num_new_tokens * (c.num_context_tokens + 1) for c in sched.chunks))
         batch = max(len(sched.chunks), 1)
         if num_draft:
             modelled = self.draft_cost_per_token(batch) * num_draft
@@ -586,7 +604,8 @@ class Speculator:
             num_emitted_tokens=self.num_emitted_tokens, accepted_by_position=tuple(self.accepted_by_position),
             drafted_by_position=tuple(self.drafted_by_position), time_saved_s=self.time_saved_s,
             enabled=self.enabled, acceptance_rate=self.acceptance_rate,
-            break_even_acceptance=self.break_even(batch), break_even_batch=self.break_even_batch(),
+            break_even_acceptance=1.0 if self.retired else self.break_even(batch),
+            break_even_batch=0 if self.retired else self.break_even_batch(),
             batch_size=batch, step_base_s=self.cost.predict(batch), step_per_token_s=self._per_draft_row_s(batch),
             draft_per_token_s=self._draft_s(batch), num_decision_changes=self.num_decision_changes)
 
@@ -681,17 +700,29 @@ def calibrate_target(runner: ModelRunner, kv: BlockManager, k: int, max_model_le
     return points
 
 
+def calibrate_context(runner: ModelRunner, kv: BlockManager, k: int, max_model_len: int) -> float:
+    """Seconds a decode row costs per cached token it attends to: 8 rows at the calibration context and
+    at up to 1024 tokens (the curve is timed at the former; real requests run at any)."""
+    short = calibration_context(kv, k, max_model_len)
+    long = min(1024, max_model_len - 2, (kv.num_free_blocks // 8 - 1) * kv.block_size - 1)
+    if long <= 2 * short:
+        return 0.0
+    t_short = time_step(runner, kv, 8, 0, short, repeats=3)
+    t_long = time_step(runner, kv, 8, 0, long, repeats=3)
+    return max((t_long - t_short) / (8 * (long - short)), 0.0)
+
+
 def calibrate_verify(runner: ModelRunner, kv: BlockManager, k: int, max_model_len: int,
                      cost: StepCost) -> tuple[float, float]:
-    """(seconds per drafting sequence, seconds per draft token) that a speculative chunk costs beyond as
-    many plain decode rows, from one sequence verifying 1 and k drafts."""
+    """(seconds per drafting sequence, seconds per draft token) that speculative chunks cost beyond as many
+    plain decode rows: each draft row needs logits over the whole vocabulary (the LM head is ~20% of the
+    bundled model's weights) and the sampler's check. Per token from 8 sequences verifying k drafts each
+    (big enough to stand out of the timing noise), per sequence from one verifying a single draft."""
     ctx = calibration_context(kv, k, max_model_len)
-    extra_1 = time_step(runner, kv, 1, 1, ctx, repeats=3) - cost.predict(2)
-    if k == 1:
-        return max(extra_1, 0.0), 0.0
-    extra_k = time_step(runner, kv, 1, k, ctx, repeats=3) - cost.predict(1 + k)
-    per_row = max((extra_k - extra_1) / (k - 1), 0.0)
-    return max(extra_1 - per_row, 0.0), per_row
+    batch = max(min(8, kv.num_free_blocks // (-(-(ctx + k + 1) // kv.block_size))), 1)
+    per_row = max((time_step(runner, kv, batch, k, ctx, repeats=3) - cost.predict(batch * (1 + k))) / (batch * k), 0.0)
+    span = time_step(runner, kv, 1, 1, ctx, repeats=3) - cost.predict(2) - per_row
+    return max(span, 0.0), per_row
 
 
 def _draft_model_proposer(name: str, engine: LLMEngine, draft: LoadedModel, quantization: str
@@ -721,11 +752,14 @@ def _draft_model_proposer(name: str, engine: LLMEngine, draft: LoadedModel, quan
             lambda b: (base + slope * b) / max(b, 1))
 
 
-def _ngram(engine: LLMEngine, target: LoadedModel, arg: str | None) -> tuple[Proposer, Callable[[int], float]]:
+Built = tuple[Proposer, Callable[[int], float]]  # a proposer and its modelled seconds per draft token at batch B
+
+
+def _ngram(engine: LLMEngine, target: LoadedModel, arg: str | None, cost: StepCost, k: int) -> Built:
     return NgramProposer(), lambda b: 2e-5  # a dict lookup per sequence; refined by the measured scale
 
 
-def _draft(engine: LLMEngine, target: LoadedModel, arg: str | None) -> tuple[Proposer, Callable[[int], float]]:
+def _draft(engine: LLMEngine, target: LoadedModel, arg: str | None, cost: StepCost, k: int) -> Built:
     from tokenfactory.models.loader import load_model
 
     if not arg:
@@ -733,11 +767,30 @@ def _draft(engine: LLMEngine, target: LoadedModel, arg: str | None) -> tuple[Pro
     return _draft_model_proposer(f"draft:{arg}", engine, load_model(arg), "none")
 
 
-def _self_int4(engine: LLMEngine, target: LoadedModel, arg: str | None) -> tuple[Proposer, Callable[[int], float]]:
+def int4_bytes_ratio(model: torch.nn.Module) -> float:
+    """Bytes an int4 (group 32) copy of the model reads per decode token / what the model reads now."""
+    from tokenfactory.engine.quant import QuantizedLinear, decode_weight_bytes
+
+    int4 = sum(0.625 * m.in_features * m.out_features  # 4-bit codes + a bf16 scale and zero per 32
+               for m in model.modules() if isinstance(m, torch.nn.Linear | QuantizedLinear))
+    int4 += sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 1)
+    return int4 / max(decode_weight_bytes(model), 1)
+
+
+def _self_int4(engine: LLMEngine, target: LoadedModel, arg: str | None, cost: StepCost, k: int) -> Built:
+    # Decode is bound by the bytes it reads: an int4 copy of a target that is int4 already (a Q4 GGUF under
+    # `auto`) decodes as slowly as the target. If drafts that were always accepted could not pay at that
+    # speed (k drafts: (1 + k) tokens for T(1 + k) + k d vs 1 token for T(1)), do not build it at all.
+    ratio = int4_bytes_ratio(engine.runner.model)
+    d = ratio * cost.predict(1)
+    if (1 + k) * cost.predict(1) <= cost.predict(1 + k) + k * d:
+        return _RetiredProposer("self-int4", f"an int4 copy reads {ratio:.2f}x the target's bytes per token, "
+                                f"so a draft token would cost ~{d * 1e3:.2f} ms against a "
+                                f"{cost.predict(1) * 1e3:.2f} ms target step"), lambda b: ratio * cost.predict(b) / b
     return _draft_model_proposer("self-int4", engine, target, "int4")
 
 
-METHODS: dict[str, Callable[[LLMEngine, LoadedModel, str | None], tuple[Proposer, Callable[[int], float]]]] = {
+METHODS: dict[str, Callable[[LLMEngine, LoadedModel, str | None, StepCost, int], Built]] = {
     "ngram": _ngram, "draft": _draft, "self-int4": _self_int4,
 }
 
@@ -750,14 +803,21 @@ def build_speculator(config: EngineConfig, target: LoadedModel, engine: LLMEngin
     if name not in METHODS:
         raise ParameterError("speculative", f"speculative must be none, ngram, draft:PATH or self-int4, "
                              f"got {config.speculative!r}")
-    proposer, draft_cost = METHODS[name](engine, target, arg or None)
     k = config.num_speculative_tokens
     points = calibrate_target(engine.runner, engine.kv, k, engine.max_model_len,
                               min(config.max_num_batched_tokens, config.max_num_seqs * (1 + k)))
-    cost = StepCost(points)
+    cost = StepCost(points, context=calibration_context(engine.kv, k, engine.max_model_len),
+                    s_per_context_token=calibrate_context(engine.runner, engine.kv, k, engine.max_model_len))
+    proposer, draft_cost = METHODS[name](engine, target, arg or None, cost, k)
     verify = calibrate_verify(engine.runner, engine.kv, k, engine.max_model_len, cost)
     spec = Speculator(config.speculative, proposer, k, engine.max_model_len, config.max_num_seqs, cost, draft_cost,
                       verify)
+    if isinstance(proposer, _RetiredProposer):
+        spec.retired = spec.checked = True
+        spec.enabled = False
+        logger.warning("speculative %s is off for good and its draft was never built: %s", config.speculative,
+                       proposer.reason)
+        return spec
     logger.info("speculative %s, up to %d draft tokens: %s at batch 1 — %s", config.speculative,
                 config.num_speculative_tokens, "on" if spec.enabled else "off", spec.describe(1))
     return spec

@@ -26,6 +26,14 @@ inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
+// Blocks are scattered over the pool (the free list is LRU order after any churn): the hardware prefetcher
+// does not follow a jump to the next block, so ask for it while this one is being computed.
+template <typename T>
+inline void prefetch_block(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(c + i);
+}
+
 template <typename T>
 inline float dot(const float* __restrict q, const T* __restrict k, int64_t d) {
   float s = 0.f;
@@ -58,6 +66,8 @@ void attend_task(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
   // over the keys serves all rows of a speculative chunk.
   for (int64_t t0 = 0; t0 < len; t0 += block_size) {
     const T* kb = k_cache + head_offset + table[t0 / block_size] * block_size * d;
+    if (t0 + block_size < len) prefetch_block(k_cache + head_offset + table[t0 / block_size + 1] * block_size * d,
+                                              block_size * d);
     const int64_t n = std::min(block_size, len - t0);
     for (int64_t t = 0; t < n; ++t)
       for (int64_t j = 0; j < nq; ++j) scores[j * len + t0 + t] = dot(qf + j * d, kb + t * d, d);
@@ -79,6 +89,8 @@ void attend_task(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
   }
   for (int64_t t0 = 0; t0 < len; t0 += block_size) {
     const T* vb = v_cache + head_offset + table[t0 / block_size] * block_size * d;
+    if (t0 + block_size < len) prefetch_block(v_cache + head_offset + table[t0 / block_size + 1] * block_size * d,
+                                              block_size * d);
     const int64_t n = std::min(block_size, len - t0);
     for (int64_t t = 0; t < n; ++t)
       for (int64_t j = 0; j < nq; ++j) axpy(scores[j * len + t0 + t], vb + t * d, acc + j * d, d);
