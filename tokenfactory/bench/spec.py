@@ -84,7 +84,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     engines = {}
     for method in args.methods:
         engines[method] = LLMEngine(EngineConfig(
-            model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, max_model_len=2048,
+            model=args.model, dtype=args.dtype, quantization=args.quantization,
+            kv_cache_memory=args.kv_cache_memory, max_model_len=2048,
             max_num_seqs=max(64, args.concurrency), speculative=method,
             num_speculative_tokens=args.num_speculative_tokens, seed=args.seed), loaded)
         engines[method].warmup()
@@ -143,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", default="auto", help="the target's weights (none: bf16, where self-int4 can pay)")
     p.add_argument("--methods", default="none,ngram", help="comma-separated; the first is the baseline")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=128)

@@ -381,6 +381,7 @@ class Speculator:
         self.time_saved_s = 0.0
         self.last_batch_size = 1
         self.last_propose_s = 0.0
+        self.last_setup_s = 0.0  # of last_propose_s, the modelled catch-up (prefill) part
         self.steps_without_draft = 0
         self.last_mean_context = float(target_cost.context)
         self.retired = self.checked = False
@@ -512,8 +513,11 @@ class Speculator:
         self.last_batch_size = max(len(running), 1)
         ks = self.plan(running)
         drafts: dict[str, Draft] = {}
+        self.last_setup_s = 0.0
         if ks:
             seqs = [seq for seq in running if seq.seq_id in ks]
+            # A draft model's catch-up (a new request's prompt) is costed apart, not as per-token drafting.
+            self.last_setup_s = sum(self.proposer.setup_seconds(seq) for seq in seqs)
             for seq, draft in zip(seqs, self.proposer.propose(seqs, [ks[s.seq_id] for s in seqs]), strict=True):
                 if draft is not None and draft.token_ids:
                     drafts[seq.seq_id] = draft
@@ -543,7 +547,8 @@ class Speculator:
         if num_draft:
             modelled = self.draft_cost_per_token(batch) * num_draft
             if modelled > 0:
-                self.draft_cost_scale = 0.9 * self.draft_cost_scale + 0.1 * min(self.last_propose_s / modelled, 10.0)
+                drafting_s = max(self.last_propose_s - self.last_setup_s, 0.0)
+                self.draft_cost_scale = 0.9 * self.draft_cost_scale + 0.1 * min(max(drafting_s / modelled, 0.1), 10.0)
             plain = self.cost.predict(rows - num_draft)
             extra = (self.cost.predict(rows) - plain + self.last_propose_s + self.draft_row_s * num_draft
                      + self.span_s * sum(c.draft is not None for c in sched.chunks))
