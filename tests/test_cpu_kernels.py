@@ -88,3 +88,29 @@ def test_several_rows_per_sequence_see_keys_up_to_their_own_position(dtype, tol)
     want = decode_attention_torch(q, k, v, row_tables, row_lens, 0.125)
     got = kernel(q, k, v, tables, seq_lens, starts, 0.125)
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_a_failed_build_falls_back_with_one_warning(monkeypatch, caplog):
+    import torch.utils.cpp_extension
+
+    import tokenfactory.engine.cpu_kernels as cpu_kernels
+
+    def broken_load(**kwargs):
+        raise RuntimeError("Error building extension: g++: command not found")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", broken_load)
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setattr(cpu_kernels, "_kernel", None)
+    with caplog.at_level("WARNING", logger="tokenfactory.engine.cpu_kernels"):
+        assert cpu_kernels.paged_decode_kernel() is None
+        assert cpu_kernels.paged_decode_kernel() is None  # asked again: no second build, no second warning
+    assert len(caplog.records) == 1 and "g++: command not found" in caplog.text and "PyTorch path" in caplog.text
+
+
+def test_kernels_can_be_switched_off(monkeypatch):
+    import tokenfactory.engine.cpu_kernels as cpu_kernels
+
+    monkeypatch.setenv("TOKENFACTORY_CPU_KERNELS", "0")
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setattr(cpu_kernels, "_kernel", None)
+    assert cpu_kernels.paged_decode_kernel() is None

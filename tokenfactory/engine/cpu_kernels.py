@@ -34,13 +34,14 @@ _tried = False
 
 
 def _cpu_model() -> str:
+    """The CPU's name and instruction-set flags (a build with -march=native is only good for those)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                return line
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return platform.processor()
+        return platform.processor()
+    name = next((line for line in lines if line.startswith("model name")), "")
+    flags = next((line for line in lines if line.startswith("flags")), "")
+    return f"{name}\n{flags}"
 
 
 def _build_dir() -> Path:
@@ -74,6 +75,6 @@ def paged_decode_kernel() -> Callable[..., torch.Tensor] | None:
             except Exception as e:  # noqa: BLE001 - any build failure means: use the fallback
                 logger.warning("could not build the CPU decode-attention kernel (%s: %s); using the PyTorch "
                                "path, which copies each sequence's KV blocks every step",
-                               type(e).__name__, str(e).strip().splitlines()[-1:] or "")
+                               type(e).__name__, (str(e).strip().splitlines() or [""])[-1])
         _tried = True
         return _kernel
