@@ -1,7 +1,8 @@
 """CUDA correctness and speed check, for a machine with an NVIDIA GPU (the model file is not needed there).
 
 A random-weight model with the bundled SmolLM2-135M's shapes runs the same greedy requests on the CPU in
-float32 and on CUDA in float32 and bfloat16. Greedy tokens must match between CPU and CUDA float32 up to
+float32 and on CUDA in float32 and bfloat16, and int4 on both (CUDA's tinygemm kernel against the CPU's).
+Greedy tokens must match between CPU and CUDA float32 up to
 near-ties (top-2 logits within 1e-2), and the last-step logits must agree closely. Then decode speed on
 CUDA at batch 1 and 32. Prints one JSON object (and writes it to $OUT/cuda_check.json when OUT is set).
 
@@ -100,6 +101,17 @@ def main() -> None:
         report[dtype] = {"tokens_equal_to_cpu_until": same,
                          "decode_tok_s_batch1": decode_speed(gpu, 1), "decode_tok_s_batch32": decode_speed(gpu, 32),
                          "free_blocks_back": gpu.kv.num_free_blocks == gpu.kv.num_blocks}
+    # int4 on CUDA (tinygemm's packed kernel for small steps, the dense copy for big ones): the same codes on
+    # the CPU's int4 kernel give the reference; compare greedy tokens and the speed against bf16.
+    cpu4 = LLMEngine(EngineConfig(device="cpu", dtype="bfloat16", quantization="int4", **base), loaded)
+    cpu4_tokens, _ = run(cpu4, prompts, 32)
+    gpu4 = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", quantization="int4", **base), loaded)
+    gpu4_tokens, _ = run(gpu4, prompts, 32)
+    report["int4"] = {"tokens_equal_to_cpu_int4_until": [
+                          next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
+                          for x, y in zip(cpu4_tokens, gpu4_tokens, strict=True)],
+                      "kernels": sorted({m.describe() for m in gpu4.runner.model.modules() if hasattr(m, "describe")}),
+                      "decode_tok_s_batch1": decode_speed(gpu4, 1), "decode_tok_s_batch32": decode_speed(gpu4, 32)}
     report["pass"] = all(n == 32 for n in report["float32"]["tokens_equal_to_cpu_until"])  # type: ignore[index]
     text = json.dumps(report, indent=2)
     print(text)
