@@ -44,6 +44,15 @@ def test_kernel_matches_torch_path(dtype, tol, num_heads, num_kv_heads):
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 80])  # compiled-in sizes, and any other
+def test_every_head_size(head_dim):
+    q, k, v, tables, seq_lens = paged_case([1, 33, 150], 8, 2, torch.float32, head_dim=head_dim)
+    scale = head_dim ** -0.5
+    want = decode_attention_torch(q, k, v, tables, seq_lens, scale)
+    got = kernel(q, k, v, tables, seq_lens, one_row_each(seq_lens), scale)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_padding_blocks_are_never_read():
     # Keys past a sequence's length are NaN: reading them (even masked) would turn the output to NaN.
     q, k, v, tables, seq_lens = paged_case([3, 40], 9, 3, torch.float32)

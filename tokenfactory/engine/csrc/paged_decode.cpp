@@ -48,10 +48,13 @@ inline void axpy(float w, const T* __restrict v, float* __restrict acc, int64_t 
   for (int64_t i = 0; i < d; ++i) acc[i] += w * to_float(v[i]);
 }
 
-template <typename T>
+// D > 0: the head size known at compile time (64, 128: the common ones), so the per-token loops unroll and
+// their partial sums stay in registers; D == 0: any head size, read from `head_dim`.
+template <typename T, int64_t D>
 void attend_task(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t len,
-                 int64_t num_rows, int64_t num_heads, int64_t head, int64_t group, int64_t d, int64_t num_blocks,
-                 int64_t block_size, float scale, T* out, std::vector<float>& buf) {
+                 int64_t num_rows, int64_t num_heads, int64_t head, int64_t group, int64_t head_dim,
+                 int64_t num_blocks, int64_t block_size, float scale, T* out, std::vector<float>& buf) {
+  const int64_t d = D > 0 ? D : head_dim;
   // Queries: num_rows x group, row r (of this sequence's chunk) sees keys [0, len - num_rows + r].
   // buf: queries * d query floats, queries * len scores, queries * d accumulators.
   const int64_t nq = num_rows * group;
@@ -144,9 +147,18 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
       for (int64_t task = begin; task < end; ++task) {
         const int64_t s = task / num_kv_heads, h = task % num_kv_heads;
         const int64_t offset = (starts_p[s] * num_heads + h * group) * d;
-        attend_task<scalar_t>(qp + offset, kp, vp, tables_p + s * max_blocks, lens_p[s],
-                              starts_p[s + 1] - starts_p[s], num_heads, h, group, d, num_blocks, block_size,
-                              static_cast<float>(scale), op + offset, buf);
+        const int64_t rows = starts_p[s + 1] - starts_p[s];
+        const float sc = static_cast<float>(scale);
+        const int64_t* table = tables_p + s * max_blocks;
+        if (d == 64)
+          attend_task<scalar_t, 64>(qp + offset, kp, vp, table, lens_p[s], rows, num_heads, h, group, d,
+                                    num_blocks, block_size, sc, op + offset, buf);
+        else if (d == 128)
+          attend_task<scalar_t, 128>(qp + offset, kp, vp, table, lens_p[s], rows, num_heads, h, group, d,
+                                     num_blocks, block_size, sc, op + offset, buf);
+        else
+          attend_task<scalar_t, 0>(qp + offset, kp, vp, table, lens_p[s], rows, num_heads, h, group, d,
+                                   num_blocks, block_size, sc, op + offset, buf);
       }
     });
   });
