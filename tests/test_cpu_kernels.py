@@ -109,7 +109,7 @@ def test_a_failed_build_falls_back_with_one_warning(monkeypatch, caplog):
 
     monkeypatch.setattr(torch.utils.cpp_extension, "load", broken_load)
     monkeypatch.setattr(cpu_kernels, "_tried", False)
-    monkeypatch.setattr(cpu_kernels, "_kernel", None)
+    monkeypatch.setattr(cpu_kernels, "_module", None)
     with caplog.at_level("WARNING", logger="tokenfactory.engine.cpu_kernels"):
         assert cpu_kernels.paged_decode_kernel() is None
         assert cpu_kernels.paged_decode_kernel() is None  # asked again: no second build, no second warning
@@ -121,5 +121,22 @@ def test_kernels_can_be_switched_off(monkeypatch):
 
     monkeypatch.setenv("TOKENFACTORY_CPU_KERNELS", "0")
     monkeypatch.setattr(cpu_kernels, "_tried", False)
-    monkeypatch.setattr(cpu_kernels, "_kernel", None)
+    monkeypatch.setattr(cpu_kernels, "_module", None)
     assert cpu_kernels.paged_decode_kernel() is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_the_reference(dtype):
+    from tokenfactory.engine.cpu_kernels import rms_norm_kernel
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(7, 576, generator=g) * 3).to(dtype)
+    w = (1 + 0.1 * torch.randn(576, generator=g)).to(dtype)
+    # Hugging Face's LlamaRMSNorm: float32 statistics, rounded to the input dtype, then times the weight.
+    xf = x.float()
+    want = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    got = rms_norm_kernel()(x, w, 1e-5)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, want, atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        rms_norm_kernel()(x.t(), w, 1e-5)

@@ -16,6 +16,7 @@ from torch import nn
 
 from tokenfactory.config import ModelConfig
 from tokenfactory.engine.attention import AttentionMetadata, paged_attention
+from tokenfactory.engine.cpu_kernels import rms_norm_kernel
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -86,7 +87,10 @@ class DecoderLayer(nn.Module):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # One fused op; for bf16/fp16 inputs PyTorch accumulates the mean square in float32.
+    """In float32, rounded to x's dtype, times the weight (as the HF reference); on the CPU one compiled
+    kernel call (engine/cpu_kernels.py), elsewhere PyTorch's fused op."""
+    if x.device.type == "cpu" and x.dim() == 2 and x.dtype == weight.dtype and (kernel := rms_norm_kernel()):
+        return kernel(x.contiguous(), weight, eps)
     return F.rms_norm(x, weight.shape, weight, eps)
 
 

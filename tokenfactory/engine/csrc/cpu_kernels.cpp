@@ -1,5 +1,6 @@
-// Decode attention straight from the paged KV cache, on the CPU.
+// The engine's CPU kernels: decode attention straight from the paged KV cache, and RMSNorm.
 //
+// Decode attention.
 // The PyTorch fallback gathers every sequence's blocks into a padded copy, then runs two batched matmuls over
 // it: the KV cache is read once, written once and read again, and at 64 sequences of ~500 tokens that copy
 // was a third of the decode step. Here each (sequence, KV head) is one task that walks its block table and
@@ -165,7 +166,43 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
+// RMSNorm over the rows of x (T, H), as the Hugging Face reference computes it: in float32,
+// x * rsqrt(mean(x^2) + eps), rounded to x's dtype, then times the weight (rounded again). At decode, a
+// step of a 135M model norms 61 rows of 576: PyTorch's op spent ~18 us on each (casts, pow, mean, rsqrt,
+// two muls as separate kernels), here ~1 us.
+template <typename T>
+void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t h, float eps) {
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * h;
+      T* o = out + r * h;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < h; ++i) ss += to_float(xr[i]) * to_float(xr[i]);
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+      for (int64_t i = 0; i < h; ++i) {
+        const T normed = static_cast<T>(to_float(xr[i]) * inv);
+        o[i] = static_cast<T>(to_float(w[i]) * to_float(normed));
+      }
+    }
+  });
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.dim() == 1 && weight.size(0) == x.size(1),
+              "rms_norm takes contiguous (T, H) rows and an (H,) weight");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "rms_norm: x and weight must share a dtype");
+  auto w = weight.contiguous();
+  auto out = torch::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.size(0),
+                            x.size(1), static_cast<float>(eps));
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Release the GIL like PyTorch's own ops: the server's event loop runs while the engine thread computes.
   m.def("paged_decode_attention", &paged_decode_attention, py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>());
 }
