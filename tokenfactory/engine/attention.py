@@ -1,4 +1,4 @@
-"""Attention over the paged KV cache, with plain PyTorch ops (CPU and CUDA alike).
+"""Attention over the paged KV cache: a compiled kernel for decodes on the CPU, PyTorch ops otherwise.
 
 The step's tokens are one flat batch: first the decode section (single-token chunks, and speculative
 chunks: a sequence's last token and its drafts), then the prefill chunks, each a contiguous span. The KV

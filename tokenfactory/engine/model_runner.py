@@ -141,14 +141,13 @@ class ModelRunner:
             if chunk.samples and chunk.draft is None:
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(seq)
-        multi_row = decode_starts[-1] != len(decode_lens)
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slots).to(self.device),
             num_decode_tokens=decode_starts[-1],
             decode_block_tables=self._pad_tables(decode_tables),
-            decode_seq_lens=torch.tensor(decode_lens, dtype=torch.long, device=self.device) if decode_lens else None,
+            decode_seq_lens=self._long(decode_lens) if decode_lens else None,
             prefills=tuple(spans),
-            decode_query_start=torch.tensor(decode_starts, dtype=torch.long, device=self.device) if multi_row else None)
+            decode_query_start=self._long(decode_starts) if decode_lens else None)
         return ModelInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
             positions=torch.tensor(pos, dtype=torch.long, device=self.device),
@@ -160,6 +159,9 @@ class ModelRunner:
             verify_seqs=tuple(verify_seqs),
             verify_sampling=self.sampler.prepare(
                 [seq for seq, d in verify_seqs for _ in range(len(d.token_ids) + 1)]) if verify_seqs else None)
+
+    def _long(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
 
     def _pad_tables(self, tables: list[list[int]]) -> torch.Tensor | None:
         if not tables:
