@@ -140,3 +140,19 @@ def test_rms_norm_matches_the_reference(dtype):
     torch.testing.assert_close(got, want, atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-5)
     with pytest.raises(RuntimeError, match="contiguous"):
         rms_norm_kernel()(x.t(), w, 1e-5)
+
+
+def test_the_fallback_splits_speculative_rows_as_the_kernel_does(monkeypatch):
+    # Where the kernel is absent (CUDA, no compiler), attention.py expands a sequence's rows into one-row
+    # "sequences" for the PyTorch path: the result must equal the kernel's.
+    import tokenfactory.engine.attention as attention
+    from tokenfactory.engine.attention import AttentionMetadata
+
+    lens, rows = [40, 5, 16, 200], [5, 1, 3, 2]
+    _, k, v, tables, seq_lens = paged_case(lens, 9, 3, torch.float32)
+    q = torch.randn(sum(rows), 9, 64)
+    starts = torch.tensor([0] + rows).cumsum(0)
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), sum(rows), tables, seq_lens, (), starts)
+    with_kernel = attention._decode_attention(q, k, v, meta, 0.125)
+    monkeypatch.setattr(attention, "paged_decode_kernel", lambda: None)
+    torch.testing.assert_close(attention._decode_attention(q, k, v, meta, 0.125), with_kernel, atol=1e-5, rtol=1e-5)
