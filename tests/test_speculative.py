@@ -23,6 +23,13 @@ def linear_cost(base_s: float, per_row_s: float) -> StepCost:
     return StepCost([(1, base_s + per_row_s), (1024, base_s + 1024 * per_row_s)], adapt=False)
 
 
+def set_costs(spec: Speculator, base_s: float, per_row_s: float, draft_s: float) -> None:
+    """Replace the measured costs: a frozen linear step, no verification overhead, draft_s per draft token."""
+    spec.cost = linear_cost(base_s, per_row_s)
+    spec.span_s = spec.draft_row_s = 0.0
+    spec.draft_cost_per_token = lambda batch: draft_s
+
+
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
     """These tests check tokens, not speed; on the shared 2-core machine two busy intra-op threads make a
@@ -51,9 +58,7 @@ def force_drafting(engine: LLMEngine) -> None:
     """A cost model under which every draft token pays: the exactness tests must exercise verification."""
     spec = engine.speculator
     assert isinstance(spec, Speculator)
-    spec.cost = linear_cost(1.0, 0.0)
-    spec.span_s = spec.draft_row_s = 0.0
-    spec.draft_cost_per_token = lambda batch: 0.0
+    set_costs(spec, 1.0, 0.0, 0.0)
 
 
 def prompts() -> list[list[int]]:
@@ -163,9 +168,7 @@ def test_poor_acceptance_switches_a_request_off_and_then_the_method(tiny) -> Non
     engine = make_engine(loaded, f"draft:{draft_dir}")
     spec = engine.speculator
     # A CPU-like single-stream cost: 10 ms a step, 0.2 ms a row, 4 ms a draft token (a slow draft model).
-    spec.cost = linear_cost(0.010, 0.0002)
-    spec.span_s = spec.draft_row_s = 0.0
-    spec.draft_cost_per_token = lambda batch: 0.004
+    set_costs(spec, 0.010, 0.0002, 0.004)
     # The prior (0.6) is above break-even at batch 1: a token pays iff (1 + a) / 14.4 ms beats plain
     # decoding's 1 / 10.2 ms (no margin for a single stream), i.e. a > 14.4 / 10.2 - 1, ~0.41.
     assert spec.break_even(1) == pytest.approx(0.0144 / 0.0102 - 1, abs=0.002)
@@ -190,9 +193,7 @@ def test_large_batch_switches_off_small_batch_drafts(tiny) -> None:
     engine = make_engine(loaded, "ngram", max_num_seqs=64, kv_cache_memory=16 << 20)
     spec = engine.speculator
     # Compute-bound at large batch: 5 ms + 1 ms per row.
-    spec.cost = linear_cost(0.005, 0.001)
-    spec.span_s = spec.draft_row_s = 0.0
-    spec.draft_cost_per_token = lambda batch: 0.0
+    set_costs(spec, 0.005, 0.001, 0.0)
     copy = prompts()[1]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     generate(engine, [copy] * 32, params)
@@ -371,11 +372,9 @@ def test_a_draft_as_slow_as_the_target_is_retired_and_its_model_freed(tiny) -> N
     loaded, draft_dir = tiny
     engine = make_engine(loaded, f"draft:{draft_dir}")
     spec = engine.speculator
-    spec.cost = linear_cost(0.010, 0.0002)
-    spec.span_s = spec.draft_row_s = 0.0
-    spec.draft_cost_per_token = lambda batch: 0.0  # a free draft pays: nothing to retire
+    set_costs(spec, 0.010, 0.0002, 0.0)  # a free draft pays: nothing to retire
     assert not spec.retire_if_hopeless()
-    spec.draft_cost_per_token = lambda batch: 0.011  # a draft token costs more than a target step
+    set_costs(spec, 0.010, 0.0002, 0.011)  # a draft token costs more than a target step
     proposer = spec.proposer
     spec.checked = False  # as at start-up: the first step checks
     assert spec.plan([]) == {} and spec.retired and not hasattr(proposer, "runner")  # the draft model is dropped

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -112,7 +113,7 @@ def report(args: argparse.Namespace, single: dict[str, dict[str, list[float]]], 
     med = statistics.median
     result: dict[str, Any] = {
         "machine": {"platform": platform.platform(), "torch_threads": torch.get_num_threads(),
-                    "load_average": list(__import__("os").getloadavg())},
+                    "load_average": list(os.getloadavg())},
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
         "single_stream_decode_tokens_per_s": {m: {w: {"median": round(med(v), 2), "runs": [round(x, 2) for x in v]}
                                                   for w, v in ws.items()} for m, ws in single.items()},

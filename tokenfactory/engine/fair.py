@@ -108,7 +108,7 @@ class FairPolicy:
         queue = tenants.get(seq.tenant)
         if queue is None:
             queue = tenants[seq.tenant] = deque()
-        if not queue and not self._recently_served(seq.tenant, seq.priority):
+        if not queue and not self._running(seq.tenant, seq.priority):
             self._lift(seq.tenant, seq.priority)
         if front:
             queue.appendleft(seq)
@@ -181,11 +181,8 @@ class FairPolicy:
         entry = self.seq_id_to_mark.get(seq.seq_id)
         return entry[1] if entry is not None and entry[0] is seq else 0
 
-    def _recently_served(self, tenant: str, band: int) -> bool:
-        """It has sequences running in this band."""
-        return self._running(tenant, band)
-
     def _running(self, tenant: str, band: int) -> bool:
+        """The tenant has sequences running in this band."""
         key = (tenant, band)
         seqs = self.tenant_band_to_scheduled.get(key)
         if seqs is None:

@@ -392,8 +392,9 @@ class Speculator:
         self.last_setup_s = 0.0  # of last_propose_s, the modelled catch-up (prefill) part
         self.steps_without_draft = 0
         self.last_mean_context = float(target_cost.context)
-        self.retired = self.checked = False
-        self.enabled = self._pays(1, self.acceptance_rate)
+        # Retired: nothing will ever be drafted (a draft that cannot pay); checked: that was decided.
+        self.retired = self.checked = isinstance(proposer, _RetiredProposer)
+        self.enabled = not self.retired and self._pays(1, self.acceptance_rate)
         self.num_decision_changes = 0
         self.last_logged = 0.0
 
@@ -829,8 +830,6 @@ def build_speculator(config: EngineConfig, target: LoadedModel, engine: LLMEngin
     spec = Speculator(config.speculative, proposer, k, engine.max_model_len, config.max_num_seqs, cost, draft_cost,
                       verify)
     if isinstance(proposer, _RetiredProposer):
-        spec.retired = spec.checked = True
-        spec.enabled = False
         logger.warning("speculative %s is off for good and its draft was never built: %s", config.speculative,
                        proposer.reason)
         return spec

@@ -21,20 +21,16 @@
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import sqlalchemy as sa
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
 from tokenfactory.gateway.admission import Actual, Admission, Ticket
 from tokenfactory.gateway.auth import ANONYMOUS_PRINCIPAL, AuthMiddleware, KeyAuthenticator, Principal, Refusal
-from tokenfactory.meter.ledger import Ledger, UsageTotals, _combine, utc_now
-from tokenfactory.meter.rollup import Part
-from tokenfactory.meter.schema import requests_table
+from tokenfactory.meter.ledger import utc_now
 from tokenfactory.tenants.cli import key_dict, parse_expires, tenant_dict
 from tokenfactory.tenants.store import Budget, Tenant, TenantStore
 from tokenfactory.types import ParameterError, RequestOutput
@@ -62,8 +58,7 @@ class Tenancy:
         @app.exception_handler(Refusal)
         async def refusal(_: Request, e: Refusal) -> JSONResponse:
             count_error(e.status)
-            return JSONResponse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}},
-                                status_code=e.status, headers=e.headers)
+            return JSONResponse(e.error(), status_code=e.status, headers=e.headers)
 
         if self.store is not None:
             app.include_router(admin_router(self.store))
@@ -98,28 +93,6 @@ class Tenancy:
                           f"tenant's usage, not {tenant!r}", "permission_error", "usage_of_another_tenant",
                           param="tenant")
         return principal.tenant.name
-
-
-def tenant_totals(ledger: Ledger, tenant: str, since: dt.datetime | None, group_by: str | None) -> list[UsageTotals]:
-    """Ledger.totals for one tenant, from its request rows (index on tenant, created_at)."""
-    from tokenfactory.meter.ledger import GROUP_BY_COLUMNS
-
-    t = requests_table.c
-    key = GROUP_BY_COLUMNS[group_by].label("key") if group_by else sa.literal(None).label("key")
-    stmt = sa.select(key, t.energy_source, sa.func.count(), sa.func.sum(t.prompt_tokens), sa.func.sum(t.cached_tokens),
-                     sa.func.sum(t.completion_tokens), sa.func.sum(t.energy_joules), sa.func.count(t.energy_joules),
-                     sa.func.sum(t.cost_device_usd), sa.func.sum(t.cost_energy_usd),
-                     sa.func.sum(t.cost_usd)).where(t.tenant == tenant)
-    if since is not None:
-        stmt = stmt.where(t.created_at >= since.astimezone(dt.UTC).replace(tzinfo=None))
-    stmt = stmt.group_by(key, t.energy_source) if group_by else stmt.group_by(t.energy_source)
-    with ledger.engine.connect() as conn:
-        parts = [Part(r[0].isoformat() if isinstance(r[0], dt.date) else r[0], r[1], r[2], r[3] or 0, r[4] or 0,
-                      r[5] or 0, r[6], r[7], r[8] or 0.0, r[9], r[10]) for r in conn.execute(stmt)]
-    totals = _combine(parts)  # the ledger's own merge, so both paths agree on every field
-    if group_by is None and not totals:
-        return [UsageTotals(None, 0, 0, 0, 0, None, 0, (), 0.0, None, None)]
-    return totals
 
 
 # -- /admin routes -----------------------------------------------------------------------------------------

@@ -99,10 +99,7 @@ def limited(limit: str, code: str, message: str, wait_s: float) -> Refusal:
 def _spent_from_ledger(ledger: Ledger | None, tenant: str, budget: Budget, start: dt.datetime) -> float:
     if ledger is None:
         return 0.0
-    rows = [t for t in ledger.totals(since=start, group_by="tenant") if t.key == tenant]
-    if not rows:
-        return 0.0
-    t = rows[0]
+    t = ledger.totals(since=start, tenant=tenant)[0]
     return {"tokens": float(t.prompt_tokens + t.completion_tokens), "joules": t.energy_joules or 0.0,
             "usd": t.cost_usd or 0.0}[budget.unit]
 

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenfactory.engine.async_engine import AddRequest, AsyncEngine, EngineDeadError
 from tokenfactory.gateway.accounting import Accounting
-from tokenfactory.gateway.admin import Tenancy, tenant_totals
+from tokenfactory.gateway.admin import Tenancy
 from tokenfactory.gateway.metrics import ServerMetrics
 from tokenfactory.gateway.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from tokenfactory.gateway.render import Choice, render_chat, render_completion, usage_dict
@@ -375,10 +375,8 @@ class Handler:
             since_dt = parse_since(since) if since else None
         except ValueError as e:
             raise ParameterError("since", str(e)) from e
-        if tenant is not None:
-            rows = await asyncio.to_thread(tenant_totals, self.accounting.ledger, tenant, since_dt, group_by)
-        else:
-            rows = await asyncio.to_thread(self.accounting.ledger.totals, since=since_dt, group_by=group_by)
+        rows = await asyncio.to_thread(self.accounting.ledger.totals, since=since_dt, group_by=group_by,
+                                       tenant=tenant)
         return {"object": "usage", "group_by": group_by, "since": since, "tenant": tenant,
                 "data": [dataclasses.asdict(r) for r in rows]}
 

@@ -52,9 +52,11 @@ class Refusal(Exception):
         self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
         self.headers = headers or {}
 
+    def error(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
     def body(self) -> bytes:
-        return json.dumps({"error": {"message": self.message, "type": self.type, "param": self.param,
-                                     "code": self.code}}).encode()
+        return json.dumps(self.error()).encode()
 
 
 HOW_TO = ("send the header 'Authorization: Bearer <API key>' with a key made by `tokenfactory keys create "

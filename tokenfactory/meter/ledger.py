@@ -203,24 +203,25 @@ class Ledger:
         with self._engine.connect() as conn:
             return conn.execute(sa.select(sa.func.count()).select_from(requests_table)).scalar_one()
 
-    def totals(self, since: dt.datetime | None = None, group_by: str | None = None) -> list[UsageTotals]:
-        """Sums since `since` (UTC if naive): one UsageTotals per group ordered by key, or exactly one
-        when not grouped."""
+    def totals(self, since: dt.datetime | None = None, group_by: str | None = None,
+               tenant: str | None = None) -> list[UsageTotals]:
+        """Sums since `since` (UTC if naive), of one tenant's requests when `tenant` is given: one
+        UsageTotals per group ordered by key, or exactly one when not grouped."""
         if group_by is not None and group_by not in GROUP_BY_COLUMNS:
             raise ParameterError("group_by", f"group_by must be one of {', '.join(GROUP_BY_COLUMNS)}, "
                                              f"got {group_by!r}")
         since = to_utc_naive(since) if since is not None else None
         with self._engine.connect() as conn:
             if not self._rollup:
-                parts = _raw_parts(conn, group_by, since, None)
+                parts = _raw_parts(conn, group_by, since, None, tenant)
             elif since is None:
-                parts = rollup.query(conn, group_by, None)
+                parts = rollup.query(conn, group_by, None, tenant)
             elif since == dt.datetime.combine(since.date(), dt.time()):
-                parts = rollup.query(conn, group_by, since.date())
+                parts = rollup.query(conn, group_by, since.date(), tenant)
             else:  # the rest of since's day from the rows, whole days after it from the sums
                 next_day = since.date() + dt.timedelta(days=1)
-                parts = (_raw_parts(conn, group_by, since, dt.datetime.combine(next_day, dt.time()))
-                         + rollup.query(conn, group_by, next_day))
+                parts = (_raw_parts(conn, group_by, since, dt.datetime.combine(next_day, dt.time()), tenant)
+                         + rollup.query(conn, group_by, next_day, tenant))
         totals = _combine(parts)
         if group_by is None and not totals:
             return [UsageTotals(None, 0, 0, 0, 0, None, 0, (), 0.0, None, None)]
@@ -244,7 +245,7 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
 
 
 def _raw_parts(conn: sa.Connection, group_by: str | None, since: dt.datetime | None,
-               until: dt.datetime | None) -> list[Part]:
+               until: dt.datetime | None, tenant: str | None = None) -> list[Part]:
     t = requests_table.c
     key = GROUP_BY_COLUMNS[group_by].label("key") if group_by else sa.literal(None).label("key")
     stmt = sa.select(
@@ -256,6 +257,8 @@ def _raw_parts(conn: sa.Connection, group_by: str | None, since: dt.datetime | N
         stmt = stmt.where(t.created_at >= since)
     if until is not None:
         stmt = stmt.where(t.created_at < until)
+    if tenant is not None:
+        stmt = stmt.where(t.tenant == tenant)
     stmt = stmt.group_by(key, t.energy_source) if group_by else stmt.group_by(t.energy_source)
     return [Part(r[0].isoformat() if isinstance(r[0], dt.date) else r[0], r[1], r[2], r[3] or 0, r[4] or 0,
                  r[5] or 0, r[6], r[7], r[8] or 0.0, r[9], r[10]) for r in conn.execute(stmt)]

@@ -94,14 +94,18 @@ def _flush(conn: sa.Connection, batch: list[Any]) -> int:
     return len(batch)
 
 
-def query(conn: sa.Connection, group_by: str | None, first_day: dt.date | None) -> list[Part]:
-    """Sums from usage_daily, from `first_day` on (all days when None), grouped like Ledger.totals."""
+def query(conn: sa.Connection, group_by: str | None, first_day: dt.date | None,
+          tenant: str | None = None) -> list[Part]:
+    """Sums from usage_daily, from `first_day` on (all days when None), of one tenant when given, grouped
+    like Ledger.totals."""
     t = usage_daily_table.c
     key_columns = {"day": t.day, "tenant": t.tenant, "model": t.model}
     key = key_columns[group_by].label("key") if group_by else sa.literal(None).label("key")
     stmt = sa.select(key, t.energy_source, *(sa.func.sum(t[name]) for name in SUM_COLUMNS))
     if first_day is not None:
         stmt = stmt.where(t.day >= first_day.isoformat())
+    if tenant is not None:
+        stmt = stmt.where(t.tenant == tenant)
     stmt = stmt.group_by(key, t.energy_source) if group_by else stmt.group_by(t.energy_source)
     parts = []
     for row in conn.execute(stmt):

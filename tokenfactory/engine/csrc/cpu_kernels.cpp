@@ -66,12 +66,16 @@ void attend_task(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
   for (int64_t r = 0; r < num_rows; ++r)
     for (int64_t i = 0; i < group * d; ++i) qf[r * group * d + i] = to_float(q[r * num_heads * d + i]) * scale;
   const int64_t head_offset = head * num_blocks * block_size * d;
+  // This head's part of the block holding tokens t0.. (of keys or values), the next one prefetched.
+  auto block = [&](const T* cache, int64_t t0) {
+    const T* head_cache = cache + head_offset;
+    if (t0 + block_size < len) prefetch_block(head_cache + table[t0 / block_size + 1] * block_size * d, block_size * d);
+    return head_cache + table[t0 / block_size] * block_size * d;
+  };
   // Every query scores every key (a row's few keys past its own position are zeroed below): one pass
   // over the keys serves all rows of a speculative chunk.
   for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-    const T* kb = k_cache + head_offset + table[t0 / block_size] * block_size * d;
-    if (t0 + block_size < len) prefetch_block(k_cache + head_offset + table[t0 / block_size + 1] * block_size * d,
-                                              block_size * d);
+    const T* kb = block(k_cache, t0);
     const int64_t n = std::min(block_size, len - t0);
     for (int64_t t = 0; t < n; ++t)
       for (int64_t j = 0; j < nq; ++j) scores[j * len + t0 + t] = dot(qf + j * d, kb + t * d, d);
@@ -92,9 +96,7 @@ void attend_task(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
     denom[j] = sum;
   }
   for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-    const T* vb = v_cache + head_offset + table[t0 / block_size] * block_size * d;
-    if (t0 + block_size < len) prefetch_block(v_cache + head_offset + table[t0 / block_size + 1] * block_size * d,
-                                              block_size * d);
+    const T* vb = block(v_cache, t0);
     const int64_t n = std::min(block_size, len - t0);
     for (int64_t t = 0; t < n; ++t)
       for (int64_t j = 0; j < nq; ++j) axpy(scores[j * len + t0 + t], vb + t * d, acc + j * d, d);
