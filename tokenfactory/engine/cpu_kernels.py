@@ -5,19 +5,24 @@ straight from the paged KV cache, and RMSNorm (PyTorch's spends ~18 us per 576-w
 kernels, a tenth of a single-stream int4 decode step over 61 norms). The build goes to a per-machine cache
 (`~/.cache/tokenfactory/kernels`, or `$TOKENFACTORY_KERNEL_CACHE`), keyed by the source, the compiler flags,
 the CPU and the torch version, so a process compiles once (~20 s on 2 cores) and every later process loads
-it in milliseconds. If the
+it in milliseconds. Loading a `.so` runs its code, so the cache is used only when it, the build's directory
+and every file in it belong to this user and no one else can write them (it is created 0700); otherwise
+the kernels are built in a fresh private directory for this process, with one warning saying why. If the
 build fails (no compiler, no Python headers), the engine says so once and uses its PyTorch path; setting
 `TOKENFACTORY_CPU_KERNELS=0` asks for the PyTorch path outright.
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import os
 import platform
 import shutil
+import stat
 import sys
+import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -47,13 +52,52 @@ def _cpu_model() -> str:
     return f"{name}\n{flags}"
 
 
+def cache_root() -> Path:
+    return Path(os.environ.get("TOKENFACTORY_KERNEL_CACHE") or Path.home() / ".cache" / "tokenfactory" / "kernels")
+
+
+def untrusted_reason(path: Path) -> str | None:
+    """Why code under `path` may be another user's, or None when only this user can have written it."""
+    st = path.stat()  # followed: a symlinked cache is judged by what it points to
+    if st.st_uid != os.geteuid():
+        return f"{path} is owned by uid {st.st_uid}, not this user ({os.geteuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{path} is writable by its group or others (mode {stat.filemode(st.st_mode)})"
+    return None
+
+
+def _cache_problem(root: Path, path: Path) -> str | None:
+    """The first reason not to load from the cache's build directory `path`, or None."""
+    try:
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)  # parents get the umask; the cache itself is private
+        path.mkdir(exist_ok=True, mode=0o700)
+        return next(filter(None, map(untrusted_reason, [root, path, *sorted(path.iterdir())])), None)
+    except OSError as e:
+        return f"{root} is not usable ({e})"
+
+
 def _build_dir() -> Path:
+    """The cache's directory for this build, or a fresh private one when the cache is not safe to load from."""
     key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(CFLAGS), _cpu_model(), torch.__version__,
                                     platform.python_version()]).encode()).hexdigest()[:16]
-    root = os.environ.get("TOKENFACTORY_KERNEL_CACHE") or Path.home() / ".cache" / "tokenfactory" / "kernels"
-    path = Path(root) / key
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    root = cache_root()
+    problem = _cache_problem(root, root / key)
+    if problem is None:
+        return root / key
+    private = Path(tempfile.mkdtemp(prefix="tokenfactory-kernels-"))  # 0700, this user's
+    atexit.register(shutil.rmtree, private, ignore_errors=True)
+    logger.warning("not loading CPU kernels from the cache: %s; building them in %s for this process instead "
+                   "(fix the cache, e.g. `chmod -R go-w` it or remove it, or set TOKENFACTORY_KERNEL_CACHE)",
+                   problem, private)
+    return private
+
+
+def _make_private(path: Path) -> None:
+    """Drop group/other write bits from a finished build (a umask of 002 gives 0775 files, refused next time)."""
+    for entry in path.iterdir():
+        st = entry.lstat()
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o022:
+            entry.chmod(stat.S_IMODE(st.st_mode) & ~0o022)
 
 
 def _load() -> Any:
@@ -72,8 +116,10 @@ def _load() -> Any:
 
                 if shutil.which("ninja") is None:  # the `ninja` package's binary, in a venv not on PATH
                     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+                build_dir = _build_dir()
                 _module = load(name="tokenfactory_cpu_kernels", sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                               extra_ldflags=["-fopenmp"], build_directory=str(_build_dir()), verbose=False)
+                               extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+                _make_private(build_dir)
             except Exception as e:  # noqa: BLE001 - any build failure means: use the fallback
                 logger.warning("could not build the CPU kernels (%s: %s); using the PyTorch path, which copies "
                                "each sequence's KV blocks every step", type(e).__name__,
