@@ -1,5 +1,6 @@
 """Admission without a server: token buckets, concurrency, budgets reserved then settled (hammered from
-threads), the ledger's spent-so-far, and the wording of each refusal."""
+threads), the ledger's spent-so-far, and the wording of each refusal. (Reservations, the fair queue gate
+and per-model rates: tests/test_admission_reservations.py.)"""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def test_requests_per_minute_bucket_with_retry_after() -> None:
     a = Admission(clock=clock, wall=lambda: NOON)
     t = Tenant("chat", rpm=3)
     for _ in range(3):
-        a.settle(a.admit(t, 10), Actual(10, None, None))
+        a.admit(t, 10).settle_actual(Actual(10, None, None))
     r = refused(a, t)
     assert r.status == 429 and r.code == "requests_per_minute_exceeded" and "requests/min" in r.message
     assert r.headers["Retry-After"] == "20"  # one request refills in 60/3 s
@@ -53,7 +54,7 @@ def test_tokens_per_minute_reserves_worst_case_and_refunds_unused() -> None:
     r = refused(a, t, 30)
     assert r.code == "tokens_per_minute_exceeded" and "tokens/min" in r.message and "model tokens" in r.message
     assert int(r.headers["Retry-After"]) == 6  # 10 tokens short at 100/60 per s
-    a.settle(first, Actual(20, None, None))  # used 20 of 80: 60 come back
+    first.settle_actual(Actual(20, None, None))  # used 20 of 80: 60 come back
     a.admit(t, 30)
     with pytest.raises(ParameterError) as e:
         a.admit(t, 101)  # could never fit: a 400 naming max_tokens, not a 429 to retry forever
@@ -66,7 +67,7 @@ def test_concurrency_limit_and_release_on_settle() -> None:
     tickets = [a.admit(t, 1), a.admit(t, 1)]
     r = refused(a, t)
     assert r.code == "concurrency_limit_exceeded" and "concurrency" in r.message and "Retry-After" in r.headers
-    a.settle(tickets[0], Actual(1, None, None))
+    tickets[0].settle_actual(Actual(1, None, None))
     a.admit(t, 1)
     assert a.admit(Tenant("other", max_concurrency=1), 1)  # per tenant
 
@@ -97,7 +98,7 @@ def hammer(a: Admission, tenant: Tenant, worst: int, actual: int, num_threads: i
                 continue
             with lock:
                 admitted += 1
-            a.settle(ticket, Actual(actual, actual * 2.0, actual * 1e-6))
+            ticket.settle_actual(Actual(actual, actual * 2.0, actual * 1e-6))
     threads = [threading.Thread(target=worker) for _ in range(num_threads)]
     for th in threads:
         th.start()
@@ -106,13 +107,18 @@ def hammer(a: Admission, tenant: Tenant, worst: int, actual: int, num_threads: i
     return admitted, refused_count
 
 
-def test_token_budget_hammered_from_threads_is_exceeded_by_at_most_one_request() -> None:
+def test_token_budget_hammered_from_threads_never_admits_a_worst_case_that_does_not_fit() -> None:
     a = Admission(wall=lambda: NOON)
     t = Tenant("cheap", budget=Budget.parse("1000tok/day"))
     admitted, refused_count = hammer(a, t, worst=64, actual=40)
     spent = a.budget_status(t).spent
-    assert 1000 <= spent <= 1000 + 64 and admitted == spent / 40 and refused_count > 0
-    r = refused(a, t)
+    assert 1000 - 64 < spent <= 1000 and admitted == spent / 40 and refused_count > 0  # worst cases reserved
+    r = refused(a, t, 64)  # 40 left: a worst case of 64 does not fit
+    assert r.status == 402 and r.code == "budget_insufficient" and r.type == "insufficient_quota"
+    assert "worst case is 64 model tokens" in r.message and "40 model tokens left of its 1 ktok/day" in r.message
+    assert r.param == "max_tokens" and r.headers["Retry-After"] == str(12 * 3600)
+    a.admit(t, 40).settle_actual(Actual(40, None, None))  # exactly what is left
+    r = refused(a, t, 1)
     assert r.status == 402 and r.code == "budget_exhausted" and r.type == "insufficient_quota"
     assert "1 ktok/day budget" in r.message and "used 1000 model tokens" in r.message
     assert "resets at 2026-11-30 00:00 UTC (in 12 h 0 min)" in r.message
@@ -125,7 +131,7 @@ def test_joules_budget_reserves_everything_until_a_rate_is_known_then_by_the_rat
     first = a.admit(t, 100)
     r = refused(a, t)  # all of the budget is reserved by the first request: wait, not exhausted
     assert r.status == 429 and r.code == "budget_reserved"
-    a.settle(first, Actual(100, 200.0, None))  # 2 J per model token
+    first.settle_actual(Actual(100, 200.0, None))  # 2 J per model token
     admitted, _ = hammer(a, t, worst=50, actual=50)  # reserves 50 tokens x 2 J, uses the same
     spent = a.budget_status(t).spent
     assert 1000 <= spent <= 1000 + 100 and admitted == (spent - 200) / 100
@@ -134,10 +140,10 @@ def test_joules_budget_reserves_everything_until_a_rate_is_known_then_by_the_rat
 def test_missing_measurement_charges_the_reservation() -> None:
     a = Admission(wall=lambda: NOON)
     t = Tenant("usd", budget=Budget.parse("1USD/day"))
-    a.settle(a.admit(t, 10), Actual(10, None, 0.01))  # rate: 0.001 USD per token
+    a.admit(t, 10).settle_actual(Actual(10, None, 0.01))  # rate: 0.001 USD per token
     ticket = a.admit(t, 100)
     assert ticket.reserved_budget == pytest.approx(0.1)
-    a.settle(ticket, Actual(100, None, None))
+    ticket.settle_actual(Actual(100, None, None))
     assert a.budget_status(t).spent == pytest.approx(0.11)
 
 
@@ -152,8 +158,9 @@ def test_spent_so_far_comes_from_the_ledger_and_resets_with_the_period(tmp_path)
         a = Admission(ledger, wall=lambda: now[0])
         t = Tenant("acme", budget=Budget.parse("600tok/day"))
         assert a.budget_status(t).spent == 500  # today's rows of this tenant only
-        a.settle(a.admit(t, 150), Actual(150, None, None))
-        assert refused(a, t).status == 402
+        assert refused(a, t, 150).code == "budget_insufficient"  # 100 left
+        a.admit(t, 100).settle_actual(Actual(100, None, None))
+        assert refused(a, t).code == "budget_exhausted"
         now[0] = NOON + dt.timedelta(days=1)  # a new UTC day: the budget resets
         assert a.budget_status(t).spent == 0
         a.admit(t, 10)

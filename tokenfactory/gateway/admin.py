@@ -3,9 +3,13 @@
 `Tenancy` is the one object app.py talks to:
 
     install(app, count_error)        auth middleware, the Refusal handler, /admin routes (with --auth)
-    admit(request, request_id, n)    principal -> limits checked and reserved -> (tenant, priority)
-    settle(request_id, finals, use)  actual use replaces the reservation (every ending calls it)
+    admit(request, request_id, worst_tokens, num_prompts=, model=) -> Reservation
+                                     principal -> limits checked, all of them reserved by one object
+                                     (gateway/admission.py: leave_queue, settle, cancel; see there)
     usage_tenant(request, tenant)    whose usage the caller may read (None: everyone's)
+    shutdown()                       stop the tenant-store threads
+
+Store work (key lookups, /admin routes) runs on the tenancy's own bounded `StoreExecutor`.
 
 /admin routes (an admin API key; JSON in and out; errors in OpenAI's shape):
 
@@ -20,32 +24,40 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from tokenfactory.gateway.admission import Actual, Admission, Ticket
-from tokenfactory.gateway.auth import ANONYMOUS_PRINCIPAL, AuthMiddleware, KeyAuthenticator, Principal, Refusal
+from tokenfactory.gateway.admission import Admission, Reservation
+from tokenfactory.gateway.auth import (
+    ANONYMOUS_PRINCIPAL,
+    AuthMiddleware,
+    KeyAuthenticator,
+    Principal,
+    Refusal,
+    StoreExecutor,
+)
 from tokenfactory.meter.ledger import utc_now
 from tokenfactory.tenants.cli import key_dict, parse_expires, tenant_dict
 from tokenfactory.tenants.store import Budget, Tenant, TenantStore
-from tokenfactory.types import ParameterError, RequestOutput
+from tokenfactory.types import ParameterError
 
 
 class Tenancy:
     def __init__(self, store: TenantStore | None, admission: Admission | None = None,
-                 policy: object | None = None) -> None:
+                 policy: object | None = None, executor: StoreExecutor | None = None) -> None:
         """`store` None: auth off (everyone is "anonymous", standard priority, no limits). `policy`: the
         engine's waiting-queue policy; tenant weights are handed to it if it takes them (set_weight)."""
         self.store = store
-        self.authenticator = KeyAuthenticator(store) if store is not None else None
         self.admission = admission if admission is not None else Admission()
+        self.executor = executor if executor is not None else StoreExecutor()
+        # The budget's spent-so-far is read in the auth thread, so that admit() never reads the ledger.
+        self.authenticator = KeyAuthenticator(store, self.admission.prime) if store is not None else None
         self.set_weight: Callable[[str, float], None] | None = getattr(policy, "set_weight", None)
-        self.request_id_to_ticket: dict[str, Ticket] = {}
 
     @property
     def auth_on(self) -> bool:
@@ -53,7 +65,7 @@ class Tenancy:
 
     def install(self, app: FastAPI, count_error: Callable[[int], None]) -> None:
         app.add_middleware(AuthMiddleware, authenticator=self.authenticator,  # type: ignore[arg-type]
-                           on_refusal=count_error)
+                           on_refusal=count_error, executor=self.executor)
 
         @app.exception_handler(Refusal)
         async def refusal(_: Request, e: Refusal) -> JSONResponse:
@@ -61,27 +73,24 @@ class Tenancy:
             return JSONResponse(e.error(), status_code=e.status, headers=e.headers)
 
         if self.store is not None:
-            app.include_router(admin_router(self.store))
+            app.include_router(admin_router(self.store, self.executor))
 
     @staticmethod
     def principal(request: Request) -> Principal:
         return getattr(request.state, "principal", ANONYMOUS_PRINCIPAL)
 
-    def admit(self, request: Request, request_id: str, worst_tokens: int) -> tuple[str, int]:
-        """Check and reserve for the caller's tenant; returns (tenant name, priority band)."""
+    def admit(self, request: Request, request_id: str, worst_tokens: int, *, num_prompts: int = 1,
+              model: str = "") -> Reservation:
+        """Check and reserve everything for the caller's tenant (raises Refusal or ParameterError, having
+        taken nothing). `worst_tokens`: Σ prompt + n × max_tokens over the request's prompts."""
         tenant = self.principal(request).tenant
         if self.set_weight is not None:
             self.set_weight(tenant.name, tenant.weight)
-        self.request_id_to_ticket[request_id] = self.admission.admit(tenant, worst_tokens)
-        return tenant.name, tenant.band
+        return self.admission.admit(tenant, worst_tokens, num_prompts=num_prompts, model=model,
+                                    request_id=request_id)
 
-    def settle(self, request_id: str, finals: Sequence[RequestOutput | None], use: dict[str, Any]) -> None:
-        ticket = self.request_id_to_ticket.pop(request_id, None)
-        if ticket is None:
-            return
-        done = [o for o in finals if o is not None]
-        tokens = sum(len(o.prompt_token_ids) + sum(len(c.token_ids) for c in o.outputs) for o in done)
-        self.admission.settle(ticket, Actual(tokens, use.get("energy_joules"), use.get("cost_usd")))
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
     def usage_tenant(self, request: Request, tenant: str | None) -> str | None:
         """The tenant whose usage the caller may read: its own; an admin (or auth off) may pick any or all."""
@@ -126,19 +135,25 @@ class KeyBody(BaseModel):
     expires: str | None = None
 
 
-def admin_router(store: TenantStore) -> APIRouter:
+ADMIN_TIMEOUT_S = 30.0  # writes may wait for the database's own lock timeout; still never forever
+
+
+def admin_router(store: TenantStore, executor: StoreExecutor) -> APIRouter:
     router = APIRouter(prefix="/admin")
+
+    async def run(fn: Callable[..., Any], *args: Any) -> Any:  # noqa: ANN401 - whatever the store returns
+        return await executor.run(fn, *args, timeout_s=ADMIN_TIMEOUT_S, what="the tenant store")
 
     @router.get("/tenants")
     async def list_tenants() -> dict:
-        tenants = await asyncio.to_thread(store.list_tenants)
+        tenants = await run(store.list_tenants)
         return {"object": "list", "data": [tenant_dict(t) for t in tenants]}
 
     @router.post("/tenants", status_code=201)
     async def add_tenant(body: TenantBody) -> dict:
         budget = Budget.parse(body.budget) if body.budget else None
         tenant = Tenant(body.name, body.priority, body.weight, body.rpm, body.tpm, body.max_concurrency, budget)
-        return tenant_dict(await asyncio.to_thread(store.add_tenant, tenant))
+        return tenant_dict(await run(store.add_tenant, tenant))
 
     @router.patch("/tenants/{name}")
     async def update_tenant(name: str, body: TenantPatch) -> dict:
@@ -148,27 +163,27 @@ def admin_router(store: TenantStore) -> APIRouter:
         for k in ("priority", "weight"):
             if k in changes and changes[k] is None:
                 raise ParameterError(k, f"{k} cannot be null")
-        return tenant_dict(await asyncio.to_thread(store.update_tenant, name, **changes))
+        return tenant_dict(await run(functools.partial(store.update_tenant, name, **changes)))
 
     @router.delete("/tenants/{name}")
     async def remove_tenant(name: str) -> dict:
-        num_keys = await asyncio.to_thread(store.remove_tenant, name)
+        num_keys = await run(store.remove_tenant, name)
         return {"name": name, "deleted": True, "num_keys_deleted": num_keys}
 
     @router.get("/keys")
     async def list_keys(tenant: str | None = None) -> dict:
-        keys = await asyncio.to_thread(store.list_keys, tenant)
+        keys = await run(store.list_keys, tenant)
         now = utc_now()
         return {"object": "list", "data": [key_dict(k, now) for k in keys]}
 
     @router.post("/keys", status_code=201)
     async def create_key(body: KeyBody) -> dict:
         expires = parse_expires(body.expires) if body.expires else None
-        key, info = await asyncio.to_thread(store.create_key, body.tenant, body.admin, expires)
+        key, info = await run(store.create_key, body.tenant, body.admin, expires)
         return {"key": key, **key_dict(info, utc_now())}
 
     @router.delete("/keys/{key_id}")
     async def revoke_key(key_id: str) -> dict:
-        return key_dict(await asyncio.to_thread(store.revoke_key, key_id), utc_now())
+        return key_dict(await run(store.revoke_key, key_id), utc_now())
 
     return router

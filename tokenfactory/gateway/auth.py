@@ -12,7 +12,12 @@ can never be mistaken for a *model token* (a unit of text):
     401 invalid_api_key   not a key of this server, a revoked key, or a key of a removed tenant
     401 expired_api_key   the key's expiry time has passed
     403 admin_only        an /admin route with a tenant's (non-admin) key, or with auth off
+    503 auth_unavailable  the tenant store did not answer within AUTH_TIMEOUT_S (a held database lock,
+                          a database restart) or too many lookups are already pending
 
+Lookups run on their own small bounded thread pool (`StoreExecutor`), not asyncio's default one that
+other blocking work (ledger writes) may fill: a held lock makes authentication answer 503 at once or
+within its short timeout, never hang, and never takes threads from anything else.
 The key itself is never logged, echoed or stored (the store keeps a salted HMAC).
 """
 
@@ -20,10 +25,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
+
+import sqlalchemy as sa
 
 from tokenfactory.tenants.store import ADMIN_TENANT, Tenant, TenantStore
+
+T = TypeVar("T")
+AUTH_TIMEOUT_S = 2.0  # an indexed read answers in milliseconds; past this the database is stuck
 
 ANONYMOUS = Tenant("anonymous")
 ADMIN = Tenant(ADMIN_TENANT)
@@ -73,11 +86,50 @@ def invalid_key(detail: str) -> Refusal:
                    INVALID_TOKEN)
 
 
-class KeyAuthenticator:
-    """Checks bearer keys against the store. `authenticate` is blocking (one indexed SQL read)."""
+class StoreExecutor:
+    """A small thread pool of its own for blocking tenant-store work, bounded twice: at most
+    `max_pending` calls submitted and not finished (a call past that is refused at once), and each
+    awaited for at most `timeout_s` (a stuck call keeps its thread until the database answers, but
+    nobody waits for it). Both refusals are 503 with Retry-After, worded for `what`."""
 
-    def __init__(self, store: TenantStore) -> None:
-        self.store = store
+    def __init__(self, max_workers: int = 4, max_pending: int = 16, timeout_s: float = AUTH_TIMEOUT_S) -> None:
+        self.pool = ThreadPoolExecutor(max_workers, thread_name_prefix="tf-store")
+        self.pending = threading.BoundedSemaphore(max_pending)
+        self.timeout_s = timeout_s
+
+    async def run(self, fn: Callable[..., T], *args: object, timeout_s: float | None = None,
+                  what: str = "authentication") -> T:
+        if not self.pending.acquire(blocking=False):
+            raise unavailable(what, "too many lookups are already waiting for the tenant database")
+        try:
+            future = self.pool.submit(fn, *args)
+        except RuntimeError:  # shut down
+            self.pending.release()
+            raise unavailable(what, "the server is shutting down") from None
+        future.add_done_callback(lambda _: self.pending.release())  # when the thread is done, not the waiter
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s or self.timeout_s)
+        except TimeoutError:
+            raise unavailable(what, f"the tenant database did not answer within {timeout_s or self.timeout_s:g} s "
+                              "(it may be locked by another process)") from None
+        except (sa.exc.SQLAlchemyError, OSError) as e:  # never the SQL text or its parameters
+            raise unavailable(what, f"the tenant database failed ({type(e).__name__})") from None
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def unavailable(what: str, reason: str) -> Refusal:
+    return Refusal(503, f"{what} is temporarily unavailable: {reason}; retry in a few seconds", "server_error",
+                   f"{'auth' if what == 'authentication' else 'store'}_unavailable", {"Retry-After": "2"})
+
+
+class KeyAuthenticator:
+    """Checks bearer keys against the store. `authenticate` is blocking (one indexed SQL read), and so is
+    `on_principal` (admission reads a budget's spent-so-far there, off the event loop)."""
+
+    def __init__(self, store: TenantStore, on_principal: Callable[[Tenant], None] | None = None) -> None:
+        self.store, self.on_principal = store, on_principal
 
     def authenticate(self, authorization: str | None) -> Principal:
         if not authorization or not authorization.strip():
@@ -96,6 +148,8 @@ class KeyAuthenticator:
                           f"UTC; ask for a new API key (`tokenfactory keys create --tenant {info.tenant}`)",
                           "authentication_error", "expired_api_key", INVALID_TOKEN)
         tenant = check.tenant if check.tenant is not None else ADMIN
+        if self.on_principal is not None:
+            self.on_principal(tenant)
         return Principal(tenant, info.key_id, info.is_admin)
 
 
@@ -112,8 +166,10 @@ class AuthMiddleware:
     """Pure ASGI: authenticate protected paths, put `principal` in scope["state"], or answer the refusal."""
 
     def __init__(self, app: Callable, authenticator: KeyAuthenticator | None,
-                 on_refusal: Callable[[int], None] = lambda status: None) -> None:
+                 on_refusal: Callable[[int], None] = lambda status: None,
+                 executor: StoreExecutor | None = None) -> None:
         self.app, self.authenticator, self.on_refusal = app, authenticator, on_refusal
+        self.executor = executor if executor is not None else StoreExecutor()
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         path = scope.get("path", "") if scope["type"] == "http" else ""
@@ -135,7 +191,7 @@ class AuthMiddleware:
         headers = dict(scope.get("headers", []))
         raw = headers.get(b"authorization")
         value = raw.decode("latin-1") if raw is not None else None
-        return await asyncio.to_thread(self.authenticator.authenticate, value)
+        return await self.executor.run(self.authenticator.authenticate, value)
 
 
 async def send_refusal(refusal: Refusal, send: Callable) -> None:

@@ -5,8 +5,10 @@
 
 A key reads `tf_<key_id>_<secret>`. Only the key_id and HMAC-SHA256(salt, secret) with a random
 per-key salt are stored; the secret is shown once by `keys create` and never stored or logged.
-A presented key is found by its key_id and checked with hmac.compare_digest (constant time); an
-unknown key_id still computes one HMAC, so timing does not say whether a key_id exists.
+A presented key is found by its key_id and checked with hmac.compare_digest (constant time). Timing
+does not say whether a key_id exists: every presented key, well-formed or not, known or not, costs
+exactly one indexed query (the key joined to its tenant; a malformed key looks up the id "", which no
+key has), one HMAC and one compare_digest (tests/test_tenants.py counts them).
 Times are naive UTC, as in the ledger.
 """
 
@@ -170,11 +172,22 @@ def _digest(salt: str, secret: str) -> str:
 
 
 _DUMMY_SALT = secrets.token_hex(16)
+_DUMMY_DIGEST = "0" * 64
+
+# One statement for every presented key: the key row and its tenant's, tenant columns as tenant_<name>.
+_KEY_LOOKUP = (sa.select(*api_keys_table.c, *(c.label(f"tenant_{c.name}") for c in tenants_table.c))
+               .select_from(api_keys_table.outerjoin(tenants_table, tenants_table.c.name == api_keys_table.c.tenant))
+               .where(api_keys_table.c.key_id == sa.bindparam("key_id")))
 
 
-def _tenant_from_row(row: Any) -> Tenant:
-    budget = Budget(row.budget_amount, row.budget_unit, row.budget_period) if row.budget_amount is not None else None
-    return Tenant(row.name, row.priority, row.weight, row.rpm, row.tpm, row.max_concurrency, budget, row.created_at)
+def _tenant_from_row(row: Any, prefix: str = "") -> Tenant:
+    def get(name: str) -> Any:  # noqa: ANN401 - a column's value
+        return getattr(row, prefix + name)
+
+    budget = Budget(get("budget_amount"), get("budget_unit"), get("budget_period")) \
+        if get("budget_amount") is not None else None
+    return Tenant(get("name"), get("priority"), get("weight"), get("rpm"), get("tpm"), get("max_concurrency"),
+                  budget, get("created_at"))
 
 
 def _tenant_values(t: Tenant) -> dict[str, Any]:
@@ -282,19 +295,14 @@ class TenantStore:
     def check_key(self, presented: str, now: dt.datetime | None = None) -> KeyCheck:
         """Look a presented key up and compare its secret in constant time."""
         m = _KEY.fullmatch(presented.strip())
-        key_id, secret = (m.group(1), m.group(2)) if m else ("", presented)
-        c = api_keys_table.c
+        key_id, secret = (m.group(1), m.group(2)) if m else ("", presented)  # "": no key has it
         with self.engine.connect() as conn:
-            row = conn.execute(sa.select(api_keys_table).where(c.key_id == key_id)).first() if m else None
-            tenant_row = (conn.execute(sa.select(tenants_table).where(tenants_table.c.name == row.tenant)).first()
-                          if row is not None and row.tenant is not None else None)
-        if row is None:
-            hmac.compare_digest(_digest(_DUMMY_SALT, secret), "0" * 64)  # same work as a real check
-            return KeyCheck("invalid")
-        if not hmac.compare_digest(_digest(row.salt, secret), row.digest):
+            row = conn.execute(_KEY_LOOKUP, {"key_id": key_id}).first()
+        salt, digest = (row.salt, row.digest) if row is not None else (_DUMMY_SALT, _DUMMY_DIGEST)
+        if not hmac.compare_digest(_digest(salt, secret), digest) or row is None:  # the same work either way
             return KeyCheck("invalid")
         info = KeyInfo(row.key_id, row.tenant, row.is_admin, row.created_at, row.expires_at, row.revoked_at)
-        tenant = _tenant_from_row(tenant_row) if tenant_row is not None else None
+        tenant = _tenant_from_row(row, "tenant_") if row.tenant_name is not None else None
         if row.tenant is not None and tenant is None:
             return KeyCheck("invalid", info)  # its tenant was removed
         return KeyCheck(info.state(now or utc_now()), info, tenant)
