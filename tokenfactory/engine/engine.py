@@ -19,13 +19,14 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenfactory.config import EngineConfig
+from tokenfactory.engine.faults import EngineFault, FaultIsolator, is_device_error
 from tokenfactory.engine.kv_cache import BlockManager
 from tokenfactory.engine.memory import KVCapacity, plan_kv_cache, resolve_device, resolve_dtype
 from tokenfactory.engine.model_runner import ModelRunner
 from tokenfactory.engine.sampler import SampledToken, Sampler
 from tokenfactory.engine.scheduler import POLICIES, Scheduler, SchedulerOutput
 from tokenfactory.engine.sequence import Sequence
-from tokenfactory.engine.speculative import build_speculator
+from tokenfactory.engine.speculative import NoSpeculation, build_speculator
 from tokenfactory.models.loader import LoadedModel, load_model
 from tokenfactory.models.tokenizer import Tokenizer
 from tokenfactory.types import (
@@ -95,6 +96,8 @@ class LLMEngine:
                                   quantized=loaded.quantized,
                                   single_thread_step_tokens=config.single_thread_step_tokens)
         self.speculator = build_speculator(config, loaded, self)
+        self.faults = FaultIsolator()
+        self._probing = False
         self.requests: dict[str, RequestState] = {}
         self.step_listeners: list[Callable[[StepStats], None]] = []
         self.recent_steps: deque[StepStats] = deque(maxlen=1024)
@@ -128,6 +131,9 @@ class LLMEngine:
             raise ParameterError("request_id", f"request id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
         self.check_prompt_length(len(ids))
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ParameterError("stop_token_ids", f"stop_token_ids must be token ids of this model, in [0, {vocab})")
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         seqs: list[Sequence] = []
         for i in range(params.n):
@@ -174,18 +180,94 @@ class LLMEngine:
     # -- the loop ---------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One step. An exception that one request causes fails that request alone (faults.py); only a
+        fault of the engine or its device raises (EngineFault, or the error itself from the scheduler)."""
         start = time.monotonic()
         preempted_before = self.scheduler.num_preemptions
-        sched = self.scheduler.schedule(self.speculator.propose(self.scheduler.running))
+        isolated = self.scheduler.isolate = self.faults.isolated(self.requests)
+        sched = self.scheduler.schedule(self._propose())
+        if isolated is not None and sched.is_empty:
+            self.faults.unschedulable(isolated)
         results: list[tuple[Sequence, list[SampledToken]]] = []
         if not sched.is_empty:
-            results = self.runner.run(self.runner.prepare(sched, self.kv.seq_to_block_ids))
+            try:
+                results = self.runner.run(self.runner.prepare(sched, self.kv.seq_to_block_ids))
+            except Exception as e:  # noqa: BLE001 - whose fault it is decides what happens
+                return self._step_failed(sched, e)
+            self.faults.succeeded(isolated, {seq.request_id for seq, toks in results if toks})
         num_tokens_before = {seq.seq_id: seq.num_tokens for seq, _ in results}
         self.scheduler.update(sched, {seq.seq_id: [t.token_id for t in toks] for seq, toks in results})
         outputs = self._process_outputs(sched, results, num_tokens_before)
         self._record_step(sched, start, self.scheduler.num_preemptions - preempted_before)
-        self.speculator.observe(sched, results, self.recent_steps[-1])
+        try:
+            self.speculator.observe(sched, results, self.recent_steps[-1])
+        except Exception:  # noqa: BLE001 - speculation is an optimisation: lose it, not the engine
+            self._drop_speculation("observing a step")
         return outputs
+
+    def _propose(self) -> dict:
+        try:
+            return self.speculator.propose(self.scheduler.running)
+        except Exception:  # noqa: BLE001
+            self._drop_speculation("proposing drafts")
+            return {}
+
+    def _drop_speculation(self, doing: str) -> None:
+        logger.exception("speculative decoding failed while %s; it is off from now on", doing)
+        for state in self.requests.values():
+            for seq in state.seqs:
+                self.speculator.release(seq.seq_id)
+        self.speculator = NoSpeculation()
+
+    def _step_failed(self, sched: SchedulerOutput, e: Exception) -> list[RequestOutput]:
+        """The forward pass or the sampler raised. Nothing advanced (Scheduler.update did not run), so the
+        innocent requests run the step again; the suspects run alone until the culprit is found."""
+        if is_device_error(e):
+            raise EngineFault(f"the device failed: {type(e).__name__}: {e}") from e
+        request_ids = list(dict.fromkeys(c.seq.request_id for c in sched.chunks))
+        culprit = self.faults.failed(request_ids)
+        if self.faults.needs_probe and not self._probing:
+            if not self._probe():
+                raise EngineFault(f"every step fails, a known-good probe request too: {type(e).__name__}: {e}") from e
+            self.faults.probe_passed()
+        if culprit is None:
+            logger.warning("a step over %d requests failed (%s: %s); running them one at a time to find the cause",
+                           len(request_ids), type(e).__name__, e)
+            return []
+        logger.error("request %s failed alone: %s: %s", culprit, type(e).__name__, e, exc_info=e)
+        failed = self.fail_request(culprit, f"the engine could not run this request: {type(e).__name__}: {e}")
+        return [failed] if failed is not None else []
+
+    def _probe(self) -> bool:
+        """Run a known-good request alone: does the device still work?"""
+        probe_id = "tokenfactory-probe"
+        saved, self.faults.suspects, self._probing = self.faults.suspects, [probe_id], True
+        try:
+            self.add_request([self.tokenizer.bos_token_id or 0] * 4, SamplingParams(max_tokens=1, ignore_eos=True,
+                             temperature=0.0), probe_id)
+            for _ in range(4):
+                for out in self.step():
+                    if out.request_id == probe_id:
+                        return out.error is None
+            return False
+        finally:
+            self.abort_request(probe_id)
+            self.faults.suspects, self._probing = saved, False
+
+    def fail_request(self, request_id: str, message: str) -> RequestOutput | None:
+        """End a request with an error (its blocks freed now); returns its last output, carrying `error`."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return None
+        for seq in state.seqs:
+            self.scheduler.finish(seq, FinishReason.ERROR)
+            self.sampler.release(seq.seq_id)
+            self.speculator.release(seq.seq_id)
+        state.metrics.finished_time = time.monotonic()
+        outputs = [CompletionOutput(seq.index, st.text, seq.output_token_ids, finish_reason=FinishReason.ERROR)
+                   for seq, st in zip(state.seqs, state.texts, strict=True)]
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs,
+                             num_cached_tokens=state.seqs[0].num_cached_tokens, metrics=state.metrics, error=message)
 
     def _process_outputs(self, sched: SchedulerOutput, results: list[tuple[Sequence, list[SampledToken]]],
                          num_tokens_before: dict[str, int]) -> list[RequestOutput]:
@@ -195,30 +277,49 @@ class LLMEngine:
             state = self.requests.get(chunk.seq.request_id)
             if state is not None and state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = chunk.seq.first_scheduled_time
+        outputs = []
         for seq, toks in results:
             state = self.requests.get(seq.request_id)
             if state is None:
-                continue  # aborted
+                continue  # aborted, or failed
             touched[state.request_id] = state
             first = num_tokens_before[seq.seq_id]
-            # The scheduler appended toks up to a token-level stop; a stop string may end them sooner.
-            for i, tok in enumerate(toks[:seq.num_tokens - first]):
-                if self._append_text(state, seq, tok, first + i + 1):
-                    break
+            try:  # detokenization and stop strings are this request's alone: so is a failure in them
+                # The scheduler appended toks up to a token-level stop; a stop string may end them sooner.
+                for i, tok in enumerate(toks[:seq.num_tokens - first]):
+                    if self._append_text(state, seq, tok, first + i + 1):
+                        break
+            except Exception as e:  # noqa: BLE001
+                outputs.append(self._fail_in_processing(state, e))
+                del touched[state.request_id]
+                continue
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
             state.metrics.last_token_time = now
         for seq in sched.preempted:
             if (state := self.requests.get(seq.request_id)) is not None:
                 state.metrics.num_preemptions += 1
-        outputs = []
         for state in touched.values():
-            out = self._make_output(state)
+            if state.request_id not in self.requests:
+                continue
+            try:
+                out = self._make_output(state)
+            except Exception as e:  # noqa: BLE001
+                outputs.append(self._fail_in_processing(state, e))
+                continue
             if out.finished:
                 state.metrics.finished_time = now
                 del self.requests[state.request_id]
             outputs.append(out)
         return outputs
+
+    def _fail_in_processing(self, state: RequestState, e: Exception) -> RequestOutput:
+        logger.error("request %s failed in output processing: %s: %s", state.request_id, type(e).__name__, e,
+                     exc_info=e)
+        out = self.fail_request(state.request_id, f"the engine could not process this request's output: "
+                                f"{type(e).__name__}: {e}")
+        assert out is not None
+        return out
 
     def _append_text(self, state: RequestState, seq: Sequence, tok: SampledToken, num_tokens: int) -> bool:
         """Detokenize one new token, the last of the sequence's first `num_tokens` (a speculative step

@@ -121,6 +121,8 @@ class Scheduler:
         self.waiting: SchedulingPolicy = policy if policy is not None else FCFSPolicy()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Fault isolation (faults.py): when set, only this request's sequences are served this step.
+        self.isolate: str | None = None
 
     @property
     def has_work(self) -> bool:
@@ -138,6 +140,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if self.isolate is not None and seq.request_id != self.isolate:
+                i += 1
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if (chunk := self._try_draft(seq, drafts.get(seq.seq_id), num_new, budget)) is not None:
                 out.chunks.append(chunk)
@@ -175,6 +180,8 @@ class Scheduler:
         for seq in self.waiting:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
+            if self.isolate is not None and seq.request_id != self.isolate:
+                continue
             leader = seq.wait_for
             if leader is not None and not leader.is_finished and \
                     leader.num_computed_tokens < leader.num_prompt_tokens:
