@@ -7,13 +7,26 @@ types, so none of them has to import another's internals.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
+
+# Documented ranges (docs/server.md), checked where a value enters: pydantic at the API, SamplingParams offline.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_N = 16
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 100.0
+MAX_TOP_K = 2**31 - 1  # larger than any vocabulary: the sampler caps it at the model's
+MAX_TOKENS = 10**9
+MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGPROBS = 20
 
 
 class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS token, a stop token id or a stop string
     LENGTH = "length"  # max_tokens reached, or the context window is full
     ABORT = "abort"  # the client went away or the caller aborted
+    ERROR = "error"  # the engine failed while serving this request (RequestOutput.error says why)
 
     def __str__(self) -> str:
         return self.value
@@ -50,26 +63,39 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
-        _check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
-        _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(isinstance(value, int | float) and math.isfinite(value), name,
+                   f"must be a finite number, got {value}")
+        _check(1 <= self.n <= MAX_N, "n", f"must be between 1 and {MAX_N}, got {self.n}")
+        _check(0.0 <= self.temperature <= MAX_TEMPERATURE, "temperature",
+               f"must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
-        _check(self.top_k >= 0, "top_k", f"must be -1, 0 (off) or positive, got {self.top_k}")
+        _check(0 <= self.top_k <= MAX_TOP_K, "top_k", f"must be -1, 0 (off) or in [1, {MAX_TOP_K}], got {self.top_k}")
         _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
-        _check(self.repetition_penalty > 0.0, "repetition_penalty",
-               f"must be > 0, got {self.repetition_penalty}")
+        _check(0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY, "repetition_penalty",
+               f"must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}")
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
                f"must be in [-2, 2], got {self.presence_penalty}")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
                f"must be in [-2, 2], got {self.frequency_penalty}")
-        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
-               f"must be at least 1, got {self.max_tokens}")
-        _check(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
+        _check(self.seed is None or INT64_MIN <= self.seed <= INT64_MAX, "seed",
+               f"must be a 64-bit signed integer, in [{INT64_MIN}, {INT64_MAX}], got {self.seed}")
+        _check(self.max_tokens is None or 1 <= self.max_tokens <= MAX_TOKENS, "max_tokens",
+               f"must be between 1 and {MAX_TOKENS}, got {self.max_tokens}")
+        _check(0 <= self.min_tokens <= MAX_TOKENS, "min_tokens", f"must be between 0 and {MAX_TOKENS}, "
+               f"got {self.min_tokens}")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
-               f"must be between 0 and 20, got {self.logprobs}")
+        _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+               f"must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
-        _check(len(self.stop) <= 16, "stop", f"at most 16 stop strings, got {len(self.stop)}")
+        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings, "
+               f"got {len(self.stop)}")
+        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+               f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(self.stop_token_ids)}")
+        _check(all(isinstance(t, int) and 0 <= t <= MAX_TOP_K for t in self.stop_token_ids), "stop_token_ids",
+               "must be non-negative token ids")
 
     @property
     def greedy(self) -> bool:
@@ -149,10 +175,11 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
+    error: str | None = None  # set when the engine failed this request alone (its outputs end with ERROR)
 
     @property
     def finished(self) -> bool:
-        return all(o.finished for o in self.outputs)
+        return self.error is not None or all(o.finished for o in self.outputs)
 
 
 @dataclass(frozen=True)

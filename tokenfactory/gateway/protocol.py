@@ -7,11 +7,27 @@ repetition_penalty, ignore_eos, min_tokens, ...) are accepted too.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tokenfactory.types import ParameterError, SamplingParams
+from tokenfactory.types import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
+    MAX_TOKENS,
+    MAX_TOP_K,
+    ParameterError,
+    SamplingParams,
+)
+
+MAX_PROMPTS = 256  # prompts in one completions request (a list of strings or of token-id lists)
+MAX_MESSAGES = 4096
 
 
 class ErrorInfo(BaseModel):
@@ -27,28 +43,30 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Ranges are checked here, where a value enters, and named in the 400 (docs/server.md lists them);
+    # inf and NaN (JSON's 1e309 parses to inf) are refused for every float.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    max_tokens: int | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    stop: str | list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted, recorded nowhere
     logit_bias: dict[str, float] | None = None
     # vLLM's extra sampling parameters
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=MAX_REPETITION_PENALTY)
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(0, ge=0, le=MAX_TOKENS)
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_TOP_K)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     speculative: bool = True  # per-request opt-out of speculative decoding
@@ -58,8 +76,6 @@ class _SamplingFields(BaseModel):
             raise ParameterError("logit_bias", "logit_bias is not supported by this server")
         if self.stream_options is not None and not self.stream:
             raise ParameterError("stream_options", "stream_options is only allowed when stream is true")
-        if self.n > 16:
-            raise ParameterError("n", f"n must be at most 16, got {self.n}")
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -84,8 +100,8 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # the legacy endpoint's default
-    logprobs: int | None = None
+    max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS)  # the legacy endpoint's default
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -109,10 +125,10 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=0)
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(min_length=0, max_length=MAX_MESSAGES)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None

@@ -42,7 +42,11 @@ def parse_since(text: str, now: dt.datetime | None = None) -> dt.datetime:
     now = now if now is not None else dt.datetime.now(dt.UTC)
     match = _RELATIVE.match(text.strip())
     if match:
-        return now - dt.timedelta(seconds=float(match.group(1)) * _UNIT_TO_SECONDS[match.group(2)])
+        try:
+            return now - dt.timedelta(seconds=float(match.group(1)) * _UNIT_TO_SECONDS[match.group(2)])
+        except (OverflowError, ValueError):
+            raise ParameterError("since", f"since={text!r} reaches back before the year 1: give a shorter span "
+                                          "or a date") from None
     try:
         when = dt.datetime.fromisoformat(text.strip())
     except ValueError:
