@@ -3,17 +3,48 @@
 One API request may be several engine requests (a completions call with a list of prompts); its energy
 and cost are their sums, and it gets one ledger row. The row is committed before the response's last
 byte is sent: `settle()` is awaited before the final body or the final stream chunks are written.
+
+The database never fails a request (issue #13). Ledger writes run on their own small thread pool (not
+asyncio's default one, which auth lookups use: a held lock must not stall authentication), and a write
+that takes longer than `write_timeout_s` is journalled instead; if it commits late, the unique
+request_id makes the replay add nothing. `settle` is idempotent per API request id: a second call (a
+client that disconnected while its row was being written, a fallback path) gets the first call's usage
+and writes nothing. `close()` at shutdown waits, bounded, for the writes in flight.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
-from collections.abc import Sequence
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from tokenfactory.meter.attribution import Meter, RequestEnergy
-from tokenfactory.meter.ledger import Ledger, row_for
-from tokenfactory.types import RequestOutput
+from tokenfactory.meter.ledger import Ledger, LedgerRow, row_for
+from tokenfactory.types import ParameterError, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AccountingConfig:
+    write_timeout_s: float = 2.0  # a ledger write slower than this is journalled (the client does not wait)
+    num_ledger_threads: int = 4  # ledger writes in flight at once
+    num_settled_remembered: int = 10_000  # API request ids whose usage a repeated settle() returns
+
+    def __post_init__(self) -> None:
+        if not self.write_timeout_s > 0:
+            raise ParameterError("write_timeout_s", f"write_timeout_s must be > 0, got {self.write_timeout_s}")
+        for name in ("num_ledger_threads", "num_settled_remembered"):
+            if getattr(self, name) < 1:
+                raise ParameterError(name, f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+DEFAULT_CONFIG = AccountingConfig()
 
 
 def merge_energy(api_request_id: str, parts: Sequence[RequestEnergy]) -> RequestEnergy:
@@ -44,24 +75,53 @@ def usage_fields(energy: RequestEnergy) -> dict[str, object]:
 
 
 class Accounting:
-    def __init__(self, meter: Meter, ledger: Ledger, model_name: str) -> None:
-        self.meter, self.ledger, self.model_name = meter, ledger, model_name
+    def __init__(self, meter: Meter, ledger: Ledger, model_name: str,
+                 config: AccountingConfig = DEFAULT_CONFIG) -> None:
+        self.meter, self.ledger, self.model_name, self.config = meter, ledger, model_name, config
+        self._writes = concurrent.futures.ThreadPoolExecutor(config.num_ledger_threads, "ledger-write")
+        self._journal_writes = concurrent.futures.ThreadPoolExecutor(1, "ledger-journal")
+        self._id_to_settlement: OrderedDict[str, asyncio.Future[dict[str, object]]] = OrderedDict()
+        self._in_flight_lock = threading.Lock()  # done-callbacks run on the pool's threads
+        self._in_flight: dict[concurrent.futures.Future[None], LedgerRow] = {}
 
     async def settle(self, api_request_id: str, engine_ids: Sequence[str], finals: Sequence[RequestOutput | None],
                      status: str, tenant: str = "anonymous") -> dict[str, object]:
         """Finish the request with the meter, commit its ledger row, and return the usage fields.
-        `finals[i]` is engine request i's last output (None if it never produced one)."""
+        `finals[i]` is engine request i's last output (None if it never produced one). Only the first call
+        for an `api_request_id` does the work; later ones return its usage. The work goes on if the caller
+        is cancelled, so a client that leaves mid-write still gets its row, once."""
+        settlement = self._id_to_settlement.get(api_request_id)
+        if settlement is None:
+            settlement = asyncio.ensure_future(self._settle(api_request_id, engine_ids, finals, status, tenant))
+            self._remember(api_request_id, settlement)
+        return dict(await asyncio.shield(settlement))
+
+    def _remember(self, api_request_id: str, settlement: asyncio.Future[dict[str, object]]) -> None:
+        self._id_to_settlement[api_request_id] = settlement
+        while len(self._id_to_settlement) > self.config.num_settled_remembered:
+            oldest_id, oldest = next(iter(self._id_to_settlement.items()))
+            if not oldest.done():
+                break  # still being written: kept until it is
+            del self._id_to_settlement[oldest_id]
+
+    async def _settle(self, api_request_id: str, engine_ids: Sequence[str], finals: Sequence[RequestOutput | None],
+                      status: str, tenant: str) -> dict[str, object]:
         parts = []
         for rid, out in zip(engine_ids, finals, strict=True):
             num_out = sum(len(c.token_ids) for c in out.outputs) if out is not None else 0
             parts.append(self.meter.finish_request(rid, num_out))
         energy = merge_energy(api_request_id, parts)
+        await self._commit(self._row(energy, finals, status, tenant))
+        return usage_fields(energy)
+
+    def _row(self, energy: RequestEnergy, finals: Sequence[RequestOutput | None], status: str,
+             tenant: str) -> LedgerRow:
         done = [o for o in finals if o is not None]
         metrics = [o.metrics for o in done if o.metrics is not None]
         first_tokens = [m.first_token_time for m in metrics if m.first_token_time is not None]
         arrivals = [m.arrival_time for m in metrics]
         ends = [m.finished_time or m.last_token_time for m in metrics]
-        row = row_for(
+        return row_for(
             energy, model=self.model_name, status=status, tenant=tenant,
             prompt_tokens=sum(len(o.prompt_token_ids) for o in done),
             completion_tokens=sum(len(c.token_ids) for o in done for c in o.outputs),
@@ -69,5 +129,50 @@ class Accounting:
             ttft_s=min(first_tokens) - min(arrivals) if first_tokens and arrivals else None,
             latency_s=max(e for e in ends if e is not None) - min(arrivals)
             if arrivals and any(e is not None for e in ends) else None)
-        await asyncio.to_thread(self.ledger.record, row)
-        return usage_fields(energy)
+
+    async def _commit(self, row: LedgerRow) -> None:
+        """The row in the database, or in the journal if the write is slow; never raises for the database."""
+        write = self._submit(self._writes, self.ledger.record, row)
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(write), self.config.write_timeout_s)
+            return
+        except TimeoutError:  # cancelled if it had not started; else it may still commit (harmlessly)
+            reason = f"a ledger write took longer than {self.config.write_timeout_s:g} s"
+        except Exception as e:  # noqa: BLE001 - record() keeps database errors; anything else must not fail a request
+            logger.exception("ledger: recording %s failed", row.request_id)
+            reason = f"a ledger write failed ({type(e).__name__})"
+        journal = self._submit(self._journal_writes, self.ledger.journal, row, reason)
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(journal)), self.config.write_timeout_s)
+        except TimeoutError:  # the disk is slow too: the journal thread still writes it, close() waits
+            logger.warning("ledger: journalling %s takes longer than %g s", row.request_id,
+                           self.config.write_timeout_s)
+
+    def _submit(self, pool: concurrent.futures.ThreadPoolExecutor, fn: Callable[..., None], row: LedgerRow,
+                *args: str) -> concurrent.futures.Future[None]:
+        future = pool.submit(fn, row, *args)
+        with self._in_flight_lock:
+            self._in_flight[future] = row
+        future.add_done_callback(self._done)
+        return future
+
+    def _done(self, future: concurrent.futures.Future[None]) -> None:
+        with self._in_flight_lock:
+            self._in_flight.pop(future, None)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """At shutdown, after the engine has drained: wait (at most `timeout_s`) for the ledger writes in
+        flight, journal the rows of any still unfinished, then close the ledger (one last replay; what the
+        database does not take stays in the journal for the next start). Blocking: call it from a thread
+        or after the event loop has stopped."""
+        with self._in_flight_lock:
+            pending = list(self._in_flight.items())
+        done, not_done = concurrent.futures.wait([f for f, _ in pending], timeout=timeout_s)
+        self._writes.shutdown(wait=False, cancel_futures=True)
+        self._journal_writes.shutdown(wait=False, cancel_futures=True)
+        rows = {row.request_id: row for future, row in pending if future in not_done}
+        for row in rows.values():  # a late commit of the same row is harmless: the replay skips it
+            self.ledger.journal(row, "the server stopped before a ledger write finished")
+        if rows:
+            logger.warning("ledger: %d write(s) unfinished at shutdown were journalled", len(rows))
+        self.ledger.close()

@@ -13,11 +13,20 @@ model. They read usage_daily (rollup.py: sums per day × tenant × model × sour
 same transaction as each row) for whole days, and `requests` through its created_at index for a
 partial first day, so they cost the same at a thousand rows and at a million; bench_ledger.py says
 how fast. Write through Ledger only (or call rebuild_rollup() after writing around it).
+
+A row is never dropped and never counted twice (issue #13). `request_id` is unique, and inserts skip a
+request_id already present (INSERT ... ON CONFLICT DO NOTHING), adding to usage_daily only the rows
+really inserted. When the database refuses a write (read-only, disk full, locked, server gone), the row
+goes to the journal in the data directory (journal.py) and is replayed when the database is back, by a
+retry thread and at the next open; `status()` says whether rows are waiting and why. (Past 400 lines:
+the write path, its idempotent insert and the queries share the engine and the schema's invariants.)
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import functools
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -26,14 +35,31 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 
 from tokenfactory.meter import rollup
-from tokenfactory.meter.paths import ledger_path
+from tokenfactory.meter.journal import (
+    Journal,
+    JournalFile,
+    LedgerConfig,
+    LedgerStatus,
+    Replayed,
+    describe_failure,
+    driver_message,
+)
+from tokenfactory.meter.paths import (
+    LEDGER_FILENAME,
+    journal_path,
+    make_private_dir,
+    make_private_file,
+    resolve_data_dir,
+)
 from tokenfactory.meter.rollup import Part
-from tokenfactory.meter.schema import metadata, requests_table
+from tokenfactory.meter.schema import REQUEST_ID_INDEX, metadata, requests_table
 from tokenfactory.types import ParameterError
 
 if TYPE_CHECKING:
     from tokenfactory.meter.attribution import RequestEnergy
 
+logger = logging.getLogger(__name__)
+DEFAULT_CONFIG = LedgerConfig()
 STATUSES = ("finished", "aborted", "failed")
 ANONYMOUS = "anonymous"
 
@@ -132,29 +158,40 @@ GROUP_BY_COLUMNS: dict[str, sa.ColumnElement[Any]] = {
 
 
 class Ledger:
-    """Thread-safe (one SQLAlchemy engine, a pool of connections); many processes may share a file."""
+    """Thread-safe (one SQLAlchemy engine, a pool of connections); many processes may share a file.
+    `journal_path` None: rows the database refuses are held in memory only (see journal.py)."""
 
-    def __init__(self, url: str, create: bool = True) -> None:
-        self._url = url
-        self._engine = sa.create_engine(url)
-        if self._engine.dialect.name == "sqlite":
-            sa.event.listen(self._engine, "connect", _sqlite_pragmas)
+    def __init__(self, url: str, create: bool = True, *, journal_path: Path | None = None,
+                 config: LedgerConfig = DEFAULT_CONFIG) -> None:
+        self._url, self.config = url, config
+        self._engine = _make_engine(url, config)
         self._rollup = rollup.supported(self._engine.dialect.name)
+        self._upsert_insert = rollup.UPSERT_INSERTS.get(self._engine.dialect.name)
+        self._journal = Journal(JournalFile(journal_path) if journal_path else None, self._replay_insert, config)
+        self._unique = False  # request_id's unique index exists (a reader never needs to know)
         if create:
             metadata.create_all(self._engine)
+            self._unique = self._ensure_unique_index()
+            self._replay_at_start()
 
     @classmethod
-    def open(cls, data_dir: str | Path | None = None, url: str | None = None, create: bool = True) -> Ledger:
-        """`url` if given, else SQLite at <data_dir>/ledger.db (created when `create`)."""
-        if url is not None:
-            return cls(url, create)
-        path = ledger_path(data_dir)
-        if create:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        elif not path.exists():
+    def open(cls, data_dir: str | Path | None = None, url: str | None = None, create: bool = True,
+             config: LedgerConfig = DEFAULT_CONFIG) -> Ledger:
+        """`url` if given, else SQLite at <data_dir>/ledger.db (created when `create`). The journal is in
+        the data directory either way; `create` also replays what an earlier process left there."""
+        directory = resolve_data_dir(data_dir)
+        path = directory / LEDGER_FILENAME
+        if url is None and not create and not path.exists():
             raise FileNotFoundError(f"no ledger at {path}: nothing has been recorded there yet "
                                     "(the server writes it; --data-dir chooses another directory)")
-        return cls(f"sqlite:///{path}", create)
+        if create:
+            make_private_dir(directory)
+        if url is not None:
+            public = sa.make_url(url).render_as_string(hide_password=True)
+            return cls(url, create, journal_path=journal_path(directory, public), config=config)
+        for name in (LEDGER_FILENAME, LEDGER_FILENAME + "-wal", LEDGER_FILENAME + "-shm"):
+            make_private_file(directory / name, create=create and name == LEDGER_FILENAME)
+        return cls(f"sqlite:///{path}", create, journal_path=journal_path(directory), config=config)
 
     @property
     def url(self) -> str:
@@ -164,26 +201,122 @@ class Ledger:
     def engine(self) -> sa.Engine:
         return self._engine
 
+    @property
+    def journal_path(self) -> Path | None:
+        return self._journal.file.path if self._journal.file is not None else None
+
     def record(self, row: LedgerRow) -> None:
-        """Insert and commit one row (and its day's sums); returns once the row is durable."""
-        self._insert([row_values(row)])
+        """Insert and commit one row and its day's sums, once (a request_id already present is left as it
+        is). If the database refuses, the row is journalled and replayed later. Returns once the row is
+        durable in one or the other; never raises for the database's sake."""
+        self._write([row_values(row)])
 
     def record_many(self, rows: Iterable[LedgerRow], batch_size: int = 10_000) -> int:
-        """Bulk insert (one transaction per batch). Returns the number of rows written."""
+        """Bulk insert (one transaction per batch). Returns the rows taken: inserted or journalled (a
+        request_id already present is not counted)."""
         written, batch = 0, []
         for row in rows:
             batch.append(row_values(row))
             if len(batch) >= batch_size:
-                written += self._insert(batch)
+                written += self._write(batch)
                 batch = []
-        return written + (self._insert(batch) if batch else 0)
+        return written + (self._write(batch) if batch else 0)
+
+    def journal(self, row: LedgerRow, reason: str) -> None:
+        """Journal `row` without trying the database (a write that took too long: if it commits late,
+        the replay finds the row there and adds nothing)."""
+        self._journal.journal([row_values(row)], reason)
+
+    def status(self) -> LedgerStatus:
+        """Degraded or not, why, and the journal's counts; from memory, no database round trip."""
+        return self._journal.status()
+
+    def replay(self) -> int:
+        """Replay the journal now (the retry thread does it with backoff); returns the rows taken.
+        Raises what the database raises while it still refuses."""
+        return self._journal.replay()
+
+    def _write(self, batch: list[dict[str, Any]]) -> int:
+        if self._journal.degraded:  # rows wait already: keep their order and spare the database
+            reason = self._journal.status().reason or "the database refused an earlier write"
+        else:
+            try:
+                return self._insert(batch)
+            except (sa.exc.SQLAlchemyError, OSError) as e:
+                reason = describe_failure(e)
+                logger.warning("ledger: a write failed (%s: %s)", type(e).__name__, driver_message(e))
+                self._engine.dispose()  # connections opened read-only, or to a server gone, are not reused
+        self._journal.journal(batch, reason)
+        return len(batch)
 
     def _insert(self, batch: list[dict[str, Any]]) -> int:
+        """Insert the rows whose request_id is new, and add only those to the daily sums; returns how
+        many were inserted. Raises the database's error."""
+        batch = list({v["request_id"]: v for v in reversed(batch)}.values())[::-1]  # first of each id
         with self._engine.begin() as conn:
-            conn.execute(requests_table.insert(), batch)
-            if self._rollup:
-                rollup.upsert(conn, rollup.deltas(batch))
-        return len(batch)
+            fresh = self._insert_new(conn, batch)
+            if self._rollup and fresh:
+                rollup.upsert(conn, rollup.deltas(fresh))
+        return len(fresh)
+
+    def _insert_new(self, conn: sa.Connection, batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        t = requests_table
+        if self._unique and self._upsert_insert is not None:
+            stmt = self._upsert_insert(t).on_conflict_do_nothing(index_elements=["request_id"])
+            inserted = set(conn.execute(stmt.returning(t.c.request_id), batch).scalars())
+            return [v for v in batch if v["request_id"] in inserted]
+        # No unique index (another database, or old duplicates): look first. Two processes racing on
+        # one id can still both insert here; with the index they cannot.
+        ids = [v["request_id"] for v in batch]
+        present = set(conn.execute(sa.select(t.c.request_id).where(t.c.request_id.in_(ids))).scalars())
+        fresh = [v for v in batch if v["request_id"] not in present]
+        if fresh:
+            conn.execute(t.insert(), fresh)
+        return fresh
+
+    def _replay_insert(self, batch: list[dict[str, Any]]) -> Replayed:
+        """The journal's insert: rows that are not valid rows, or that the database refuses for their
+        content (not its state), are handed back as rejected instead of blocking the replay forever."""
+        valid, rejected = [], []
+        for values in batch:
+            try:
+                valid.append(row_values(LedgerRow(**values)))
+            except (TypeError, ValueError):
+                rejected.append(values)
+        try:
+            return Replayed(self._insert(valid), rejected)
+        except (sa.exc.DataError, sa.exc.IntegrityError):
+            pass
+        num_inserted = 0
+        for values in valid:  # one of them is refused: find which
+            try:
+                num_inserted += self._insert([values])
+            except (sa.exc.DataError, sa.exc.IntegrityError):
+                rejected.append(values)
+        return Replayed(num_inserted, rejected)
+
+    def _ensure_unique_index(self) -> bool:
+        """Ledgers made before request_id was unique get the index now; old duplicates prevent it."""
+        try:
+            with self._engine.begin() as conn:
+                REQUEST_ID_INDEX.create(conn, checkfirst=True)
+            return True
+        except sa.exc.IntegrityError:
+            logger.warning("ledger: request_id cannot be made unique: the ledger holds repeated request_ids "
+                           "from an earlier version; writes look for an existing row first instead")
+        except (sa.exc.SQLAlchemyError, OSError) as e:
+            logger.warning("ledger: cannot check request_id's unique index (%s); writes look for an existing "
+                           "row first", describe_failure(e))
+        return False
+
+    def _replay_at_start(self) -> None:
+        if not self._journal.num_waiting_at_start and not (self._journal.file and self._journal.file.pending_files()):
+            return
+        try:
+            num = self._journal.replay()
+            logger.info("ledger: replayed %d row(s) an earlier process journalled", num)
+        except (sa.exc.SQLAlchemyError, OSError) as e:
+            self._journal.degrade(describe_failure(e))
 
     def rebuild_rollup(self) -> int:
         """Recompute the daily sums from the request rows; returns the rows read."""
@@ -232,15 +365,31 @@ class Ledger:
         with self._engine.connect() as conn:
             return _combine(_raw_parts(conn, group_by, to_utc_naive(since) if since else None, None))
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the retry thread, try one last replay, keep the rest in the journal for the next start."""
+        self._journal.close(timeout_s)
         self._engine.dispose()
 
 
-def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+def _make_engine(url: str, config: LedgerConfig) -> sa.Engine:
+    parsed = sa.make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        engine = sa.create_engine(url)
+        sa.event.listen(engine, "connect", functools.partial(_sqlite_pragmas,
+                                                             busy_timeout_ms=round(config.busy_timeout_s * 1000)))
+        return engine
+    connect_args: dict[str, Any] = {}
+    if parsed.get_backend_name() == "postgresql" and "connect_timeout" not in parsed.query:
+        connect_args["connect_timeout"] = max(1, round(config.connect_timeout_s))  # libpq: whole seconds
+    # pre_ping: after a server restart the pool's dead connections are replaced, not failed on
+    return sa.create_engine(url, pool_pre_ping=True, connect_args=connect_args)
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any, busy_timeout_ms: int) -> None:
     cursor = dbapi_connection.cursor()
+    cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")  # writers wait their turn, then journal
     cursor.execute("PRAGMA journal_mode=WAL")  # readers do not block the writer
     cursor.execute("PRAGMA synchronous=FULL")  # fsync the WAL at every commit: no lost row
-    cursor.execute("PRAGMA busy_timeout=30000")  # concurrent writers wait their turn (ms)
     cursor.close()
 
 

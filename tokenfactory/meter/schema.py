@@ -1,6 +1,7 @@
 """The ledger's tables, on one MetaData that later tables (tenants, API keys) extend.
 
-    requests        one row per finished, aborted or failed request (the ledger itself)
+    requests        one row per finished, aborted or failed request (the ledger itself); request_id
+                    is unique
     usage_daily     running sums per (UTC day, tenant, model, energy source), written in the same
                     transaction as each request row, so usage queries read hundreds of rows instead
                     of millions; rollup.py owns it
@@ -36,8 +37,11 @@ requests_table = sa.Table(
     sa.Index("ix_requests_created_at", "created_at"),
     sa.Index("ix_requests_tenant_created_at", "tenant", "created_at"),
     sa.Index("ix_requests_model_created_at", "model", "created_at"),
-    sa.Index("ix_requests_request_id", "request_id"),
+    # Unique: a replayed or raced row is skipped, never counted twice. Ledgers made before this carry a
+    # plain ix_requests_request_id instead; Ledger adds this one when it opens them.
+    sa.Index("ux_requests_request_id", "request_id", unique=True),
 )
+REQUEST_ID_INDEX = next(i for i in requests_table.indexes if i.name == "ux_requests_request_id")
 
 usage_daily_table = sa.Table(
     "usage_daily", metadata,
