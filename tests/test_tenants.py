@@ -143,3 +143,49 @@ def test_commands_through_the_real_command_line(tmp_path, capsys) -> None:
     assert [t["name"] for t in json.loads(capsys.readouterr().out.split("\n", 1)[1])] == ["chat"]
     assert cli_main(["tenants", "update", "chat", *d]) == 2
     assert "nothing to change" in capsys.readouterr().err
+
+
+def test_every_presented_key_costs_one_identical_query_one_hmac_and_one_compare(store, monkeypatch) -> None:
+    """Timing must not say whether a key_id exists: count the work of each path instead of timing it (no
+    flakiness): a valid key, a wrong secret, an unknown key_id, a malformed key, a revoked key and a key
+    whose tenant was removed each make the same one SQL statement, one HMAC and one compare_digest."""
+    import hmac
+
+    from tokenfactory.tenants import store as store_module
+
+    store.add_tenant(Tenant("chat"))
+    store.add_tenant(Tenant("gone"))
+    valid, info = store.create_key("chat")
+    revoked, revoked_info = store.create_key("chat")
+    store.revoke_key(revoked_info.key_id)
+    orphan, _ = store.create_key("gone")
+    with store.engine.begin() as conn:  # its tenant vanished (rows removed behind the store's back)
+        conn.execute(sa.text("DELETE FROM tenants WHERE name = 'gone'"))
+    secret = valid.split("_", 2)[2]
+    presented = {"valid": valid, "wrong secret": valid[:-1] + ("A" if valid[-1] != "A" else "B"),
+                 "unknown key_id": f"tf_{'0' * 12}_{secret}", "malformed": "sk-not-ours", "revoked": revoked,
+                 "orphan": orphan}
+    statements: list[str] = []
+    counts = {"digest": 0, "compare": 0}
+    real_digest, real_compare = store_module._digest, hmac.compare_digest
+
+    def digest(salt: str, text: str) -> str:
+        counts["digest"] += 1
+        return real_digest(salt, text)
+
+    def compare(a: str, b: str) -> bool:
+        counts["compare"] += 1
+        return real_compare(a, b)
+    monkeypatch.setattr(store_module, "_digest", digest)
+    monkeypatch.setattr(hmac, "compare_digest", compare)
+    sa.event.listen(store.engine, "before_cursor_execute", lambda *args: statements.append(args[2]))
+    states, sql = {}, set()
+    for name, key in presented.items():
+        statements.clear()
+        counts.update(digest=0, compare=0)
+        states[name] = store.check_key(key).state
+        assert len(statements) == 1 and counts == {"digest": 1, "compare": 1}, name
+        sql.add(statements[0])
+    assert len(sql) == 1  # the same statement (one indexed lookup by key_id) for all of them
+    assert states["valid"] == "active" and states["revoked"] == "revoked" and info.key_id in valid
+    assert {states[k] for k in ("wrong secret", "unknown key_id", "malformed", "orphan")} == {"invalid"}
