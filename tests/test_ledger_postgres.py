@@ -3,65 +3,22 @@ same SQLAlchemy code as SQLite: record, find, totals with grouping, concurrent w
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import tempfile
 import threading
-import time
-from pathlib import Path
 
 import pytest
 
-from tests.server_util import free_port
+from tests.postgres_util import PostgresCluster
 from tokenfactory.meter.ledger import Ledger, LedgerRow
 
 pytestmark = pytest.mark.slow
 
-INITDB = shutil.which("initdb") or "/usr/lib/postgresql/15/bin/initdb"
-
-
-def _as_postgres(cmd: list[str]) -> list[str]:
-    # initdb and postgres refuse to run as root: drop to the postgres user when we are root.
-    return ["runuser", "-u", "postgres", "--", *cmd] if os.geteuid() == 0 else cmd
-
 
 @pytest.fixture(scope="module")
 def postgres_url() -> str:
-    if not Path(INITDB).exists():
-        pytest.skip("PostgreSQL server binaries are not installed (Debian package postgresql)")
-    pytest.importorskip("psycopg")
-    # Not under pytest's temporary root: that is private to root, and the server runs as postgres.
-    root = Path(tempfile.mkdtemp(prefix="tokenfactory-pg-"))
-    data, sock = root / "data", root / "sock"
-    sock.mkdir()
-    if os.geteuid() == 0:
-        shutil.chown(root, "postgres")
-        shutil.chown(sock, "postgres")
-    bindir = Path(INITDB).resolve().parent
-    subprocess.run(_as_postgres([INITDB, "-D", str(data), "-U", "tf", "--auth=trust", "-E", "UTF8"]), check=True,
-                   capture_output=True)
-    port = free_port()
-    server = subprocess.Popen(_as_postgres([str(bindir / "postgres"), "-D", str(data), "-p", str(port),
-                                            "-k", str(sock), "-c", "listen_addresses=127.0.0.1"]),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"postgresql+psycopg://tf@127.0.0.1:{port}/postgres"
-    import sqlalchemy as sa
-
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            sa.create_engine(url).connect().close()
-            break
-        except sa.exc.OperationalError:
-            if time.monotonic() > deadline or server.poll() is not None:
-                server.kill()
-                pytest.fail("the PostgreSQL test cluster did not start")
-            time.sleep(0.3)
-    yield url
-    server.terminate()
-    server.wait(30)
-    shutil.rmtree(root, ignore_errors=True)
+    cluster = PostgresCluster()
+    cluster.start()
+    yield cluster.url
+    cluster.remove()
 
 
 def row(i: int, tenant: str = "a", model: str = "m") -> LedgerRow:

@@ -168,11 +168,12 @@ class Ledger:
         self._rollup = rollup.supported(self._engine.dialect.name)
         self._upsert_insert = rollup.UPSERT_INSERTS.get(self._engine.dialect.name)
         self._journal = Journal(JournalFile(journal_path) if journal_path else None, self._replay_insert, config)
-        self._unique = False  # request_id's unique index exists (a reader never needs to know)
         if create:
             metadata.create_all(self._engine)
             self._unique = self._ensure_unique_index()
             self._replay_at_start()
+        else:
+            self._unique = self._has_unique_index()
 
     @classmethod
     def open(cls, data_dir: str | Path | None = None, url: str | None = None, create: bool = True,
@@ -245,7 +246,6 @@ class Ledger:
             except (sa.exc.SQLAlchemyError, OSError) as e:
                 reason = describe_failure(e)
                 logger.warning("ledger: a write failed (%s: %s)", type(e).__name__, driver_message(e))
-                self._engine.dispose()  # connections opened read-only, or to a server gone, are not reused
         self._journal.journal(batch, reason)
         return len(batch)
 
@@ -253,10 +253,16 @@ class Ledger:
         """Insert the rows whose request_id is new, and add only those to the daily sums; returns how
         many were inserted. Raises the database's error."""
         batch = list({v["request_id"]: v for v in reversed(batch)}.values())[::-1]  # first of each id
-        with self._engine.begin() as conn:
-            fresh = self._insert_new(conn, batch)
-            if self._rollup and fresh:
-                rollup.upsert(conn, rollup.deltas(fresh))
+        try:
+            with self._engine.begin() as conn:
+                fresh = self._insert_new(conn, batch)
+                if self._rollup and fresh:
+                    rollup.upsert(conn, rollup.deltas(fresh))
+        except (sa.exc.DataError, sa.exc.IntegrityError):
+            raise  # the rows' fault, not the connection's
+        except (sa.exc.SQLAlchemyError, OSError):
+            self._engine.dispose()  # connections opened read-only, or to a server gone, are not reused
+            raise
         return len(fresh)
 
     def _insert_new(self, conn: sa.Connection, batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -292,8 +298,16 @@ class Ledger:
             try:
                 num_inserted += self._insert([values])
             except (sa.exc.DataError, sa.exc.IntegrityError):
-                rejected.append(values)
+                if not self.find(values["request_id"]):  # else a racing writer inserted it first: done
+                    rejected.append(values)
         return Replayed(num_inserted, rejected)
+
+    def _has_unique_index(self) -> bool:
+        try:
+            indexes = sa.inspect(self._engine).get_indexes(requests_table.name)
+        except (sa.exc.SQLAlchemyError, OSError):
+            return False
+        return any(i["unique"] and i["column_names"] == ["request_id"] for i in indexes)
 
     def _ensure_unique_index(self) -> bool:
         """Ledgers made before request_id was unique get the index now; old duplicates prevent it."""
