@@ -62,10 +62,12 @@ class PostgresCluster:
                 time.sleep(0.2)
 
     def stop(self, fast: bool = True) -> None:
-        """SIGINT ("fast": aborts open transactions, closes connections) or SIGQUIT ("immediate", a crash)."""
+        """pg_ctl stop: "fast" (aborts open transactions, closes connections) or "immediate" (a crash:
+        recovery runs at the next start). runuser does not pass signals on, so pg_ctl sends them."""
         if self.server is None:
             return
-        self.server.send_signal(2 if fast else 3)
+        subprocess.run(_as_postgres([str(self.bindir / "pg_ctl"), "-D", str(self.data), "stop", "-w",
+                                     "-m", "fast" if fast else "immediate"]), check=True, capture_output=True)
         self.server.wait(30)
         self.server = None
 

@@ -280,14 +280,15 @@ class Journal:
         self._stop = threading.Event()
         self._held: list[dict[str, Any]] = []
         self._num_in_file = file.count() if file is not None else 0
-        self._degraded, self._reason = False, None
+        self._degraded, self._reason = False, None  # rows wait (shown by /health)
+        self._refusing = False  # the database refused the last attempt: writers journal without trying it
         self._hold_noted = False
         self._num_journalled_total = self._num_replayed_total = self._num_rejected_total = 0
         self._retry: threading.Thread | None = None
 
     @property
-    def degraded(self) -> bool:
-        return self._degraded  # one attribute read: no lock needed
+    def refusing(self) -> bool:
+        return self._refusing  # one attribute read: no lock needed
 
     @property
     def num_waiting_at_start(self) -> int:
@@ -313,7 +314,7 @@ class Journal:
             if not self._degraded:
                 where = self.file.path if self.file is not None else "memory (no data directory)"
                 logger.warning("ledger degraded: %s; rows wait in %s until the database takes them", reason, where)
-            self._degraded, self._reason = True, reason
+            self._degraded, self._refusing, self._reason = True, True, reason
             if self._retry is None and not self._stop.is_set():
                 self._retry = threading.Thread(target=self._retry_loop, name="ledger-retry", daemon=True)
                 self._retry.start()
@@ -413,6 +414,9 @@ class Journal:
                 logger.debug("ledger: replay failed (%s); next try in %.1f s", type(e).__name__, delay)
                 delay = min(delay * 2, self.config.retry_max_s)
                 continue
+            # The database took the replay: writers go back to it, so that under load the journal drains
+            # instead of refilling as fast as it is replayed.
+            self._refusing = False
             if self._recovered():
                 return
             delay = self.config.retry_initial_s
@@ -423,7 +427,8 @@ class Journal:
         with self._lock:
             if self._held or (self.file is not None and not self.file.is_empty()):
                 return False
-            self._degraded, self._reason, self._retry, self._hold_noted = False, None, None, False
+            self._degraded, self._refusing, self._reason, self._retry = False, False, None, None
+            self._hold_noted = False
             self._num_in_file = 0
             replayed = self._num_replayed_total
         logger.info("ledger recovered: every journalled row is in the database (%d replayed since start-up)",

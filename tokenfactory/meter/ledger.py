@@ -238,7 +238,7 @@ class Ledger:
         return self._journal.replay()
 
     def _write(self, batch: list[dict[str, Any]]) -> int:
-        if self._journal.degraded:  # rows wait already: keep their order and spare the database
+        if self._journal.refusing:  # it refused the last attempt: spare it (and the caller) until a replay works
             reason = self._journal.status().reason or "the database refused an earlier write"
         else:
             try:
