@@ -160,7 +160,7 @@ def test_rate_limits_are_429_with_retry_after_naming_the_limit(server) -> None:
     assert "requests/min" in error(r)["message"] and int(r.headers["Retry-After"]) >= 1
 
 
-def test_budget_hammered_concurrently_is_exceeded_by_at_most_one_request(server) -> None:
+def test_budget_hammered_concurrently_is_never_exceeded_by_token_requests(server) -> None:
     url, _, keys = server
     body = {"prompt": "Once upon a time", "max_tokens": 16, "ignore_eos": True}
     headers = {"Authorization": f"Bearer {keys['thrifty']}"}
@@ -178,6 +178,6 @@ def test_budget_hammered_concurrently_is_exceeded_by_at_most_one_request(server)
     total = spent["prompt_tokens"] + spent["completion_tokens"]
     print(f"\nbudget 300 tok/day hammered with 3 waves of 10: {len(ok)} served ({one} tokens each), "
           f"{len(exhausted)} refused 402; ledger total {total} model tokens")
-    assert 300 <= total <= 300 + one
+    assert 300 - one < total <= 300  # a worst case that does not fit what is left is refused: never over
     e = error(exhausted[-1])
     assert e["code"] == "budget_exhausted" and "300 tok/day" in e["message"] and "resets at" in e["message"]
