@@ -9,6 +9,7 @@ latencies are observed by the server when a request finishes.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -16,6 +17,9 @@ from prometheus_client.registry import Collector
 
 from tokenfactory.engine.engine import LLMEngine
 from tokenfactory.meter.attribution import Meter
+
+if TYPE_CHECKING:
+    from tokenfactory.gateway.admission import Admission
 
 P = "tokenfactory:"
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -147,11 +151,37 @@ class MeterCollector(Collector):
         yield cost
 
 
+class AdmissionCollector(Collector):
+    """What admission holds right now (Admission.snapshot): all of it returns to 0 when the server is idle,
+    so a gauge that stays up is a leaked reservation."""
+
+    def __init__(self, admission: Admission) -> None:
+        self.admission = admission
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        s = self.admission.snapshot()
+        yield GaugeMetricFamily(P + "admission_queued", "Prompts holding admission queue slots (admitted, no "
+                                "output yet).", value=s.num_queued)
+        yield GaugeMetricFamily(P + "admission_max_waiting", "Queue slots in all (503 past them).",
+                                value=s.max_waiting)
+        yield GaugeMetricFamily(P + "admission_in_flight", "API requests admitted and not yet settled.",
+                                value=s.num_in_flight)
+        reserved = GaugeMetricFamily(P + "admission_reserved_budget", "Budget reserved by requests in flight, by "
+                                     "unit (tokens, joules, usd).", labels=["unit"])
+        for unit, value in s.unit_to_reserved.items():
+            reserved.add_metric([unit], value)
+        yield reserved
+        yield CounterMetricFamily(P + "admission_orphaned", "Reservations released because their owner dropped "
+                                  "them (a bug; charged in full).", value=s.num_orphaned)
+
+
 class ServerMetrics:
     def __init__(self, engine: LLMEngine, model_name: str, num_waiting: Callable[[], int],
-                 meter: Meter | None = None) -> None:
+                 meter: Meter | None = None, *, admission: Admission | None = None) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(engine, model_name, num_waiting))
+        if admission is not None:
+            self.registry.register(AdmissionCollector(admission))
         if meter is not None:
             self.registry.register(MeterCollector(meter))
         labels = ["model_name"]
