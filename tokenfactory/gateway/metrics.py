@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 
 from tokenfactory.engine.engine import LLMEngine
 from tokenfactory.meter.attribution import Meter
+from tokenfactory.meter.ledger import Ledger
 
 if TYPE_CHECKING:
     from tokenfactory.gateway.admission import Admission
@@ -151,6 +152,25 @@ class MeterCollector(Collector):
         yield cost
 
 
+class LedgerCollector(Collector):
+    """Rows the database refused and where they are: journalled, replayed, still waiting. Read from the
+    ledger's memory (Ledger.status), never from the database, so a scrape cannot hang on a held lock."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        s = self.ledger.status()
+        yield CounterMetricFamily(P + "ledger_rows_journalled", "Ledger rows sent to the journal because the "
+                                  "database refused them or was slow.", value=s.num_journalled_total)
+        yield CounterMetricFamily(P + "ledger_rows_replayed", "Journalled ledger rows since found in the database.",
+                                  value=s.num_replayed_total)
+        yield GaugeMetricFamily(P + "ledger_rows_pending", "Ledger rows waiting in the journal for the database.",
+                                value=s.num_pending)
+        yield GaugeMetricFamily(P + "ledger_degraded", "1 while ledger rows go to the journal instead of the "
+                                "database.", value=float(s.degraded))
+
+
 class AdmissionCollector(Collector):
     """What admission holds right now (Admission.snapshot): all of it returns to 0 when the server is idle,
     so a gauge that stays up is a leaked reservation."""
@@ -177,13 +197,16 @@ class AdmissionCollector(Collector):
 
 class ServerMetrics:
     def __init__(self, engine: LLMEngine, model_name: str, num_waiting: Callable[[], int],
-                 meter: Meter | None = None, *, admission: Admission | None = None) -> None:
+                 meter: Meter | None = None, ledger: Ledger | None = None, *,
+                 admission: Admission | None = None) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(engine, model_name, num_waiting))
         if admission is not None:
             self.registry.register(AdmissionCollector(admission))
         if meter is not None:
             self.registry.register(MeterCollector(meter))
+        if ledger is not None:
+            self.registry.register(LedgerCollector(ledger))
         labels = ["model_name"]
         self.model_name = model_name
 
