@@ -3,6 +3,7 @@ fault tests, to stop and start it under load). Skips when the server binaries or
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import subprocess
@@ -14,7 +15,10 @@ import pytest
 
 from tests.server_util import free_port
 
-INITDB = shutil.which("initdb") or "/usr/lib/postgresql/15/bin/initdb"
+# Debian keeps the server binaries off PATH, under /usr/lib/postgresql/<version>/bin: take the newest.
+INITDB = shutil.which("initdb") or max(glob.glob("/usr/lib/postgresql/*/bin/initdb"),
+                                       key=lambda p: int(p.split("/")[4]) if p.split("/")[4].isdigit() else 0,
+                                       default="/usr/lib/postgresql/15/bin/initdb")
 
 
 def _as_postgres(cmd: list[str]) -> list[str]:
