@@ -83,7 +83,44 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", default="info")
     p.add_argument("--auth", action="store_true",
                    help="require API keys (tenants and keys in --data-dir; see `tokenfactory tenants` and `keys`)")
+    add_limit_args(p)
     p.set_defaults(func=serve)
+
+
+def add_limit_args(p: argparse.ArgumentParser) -> None:
+    """Connection limits and timeouts (docs/server.md, "Limits"); defaults are LimitSettings'."""
+    g = p.add_argument_group("limits")
+    g.add_argument("--limit-concurrency", type=int, default=1024,
+                   help="open connections or running requests beyond this get 503 (0: no limit)")
+    g.add_argument("--backlog", type=int, default=2048, help="connections the kernel queues before accept()")
+    g.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                   help="seconds an idle keep-alive connection stays open")
+    g.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds from a request head's first byte (or the connection's opening) to its end; "
+                        "past it the connection is closed (slowloris)")
+    g.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds from the end of a request head to the end of its body; past it, 408")
+    g.add_argument("--max-header-bytes", type=parse_memory, default=16 << 10,
+                   help="request line and headers beyond this size get 431")
+
+
+def limit_settings_from_args(args: argparse.Namespace):  # noqa: ANN201 - LimitSettings (imports uvicorn)
+    from tokenfactory.gateway.limits import LimitSettings
+
+    return LimitSettings(limit_concurrency=args.limit_concurrency or None, backlog=args.backlog,
+                         timeout_keep_alive_s=args.timeout_keep_alive, header_timeout_s=args.header_timeout,
+                         body_timeout_s=args.body_timeout, max_header_bytes=int(args.max_header_bytes))
+
+
+def display_url(url: str) -> str:
+    """A database URL with its password hidden, for the banner and logs."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except (ArgumentError, ValueError):  # not a URL SQLAlchemy reads: still hide what sits between ':' and '@'
+        return re.sub(r"(://[^:/@]*):[^@]*@", r"\1:***@", url)
 
 
 def served_name(model_path: str, explicit: str | None) -> str:
@@ -150,8 +187,10 @@ def serve(args: argparse.Namespace) -> int:
 
     from tokenfactory.engine.async_engine import AsyncEngine
     from tokenfactory.gateway.app import ServerSettings, build_app
+    from tokenfactory.gateway.limits import raise_fd_limit, wrap_app
 
     try:
+        limits = limit_settings_from_args(args)
         engine = build_engine(args)
         engine.warmup()
         name = served_name(engine.model_path, args.served_model_name)
@@ -162,10 +201,11 @@ def serve(args: argparse.Namespace) -> int:
     async_engine = AsyncEngine(engine)
     async_engine.start()
 
-    def shutdown() -> None:
+    def shutdown() -> None:  # after uvicorn drained the requests and the app its pending ledger rows
         async_engine.shutdown()
+        tenancy.shutdown()
         accounting.meter.close()
-        accounting.ledger.close()
+        accounting.close()
 
     settings = ServerSettings(served_model_name=name, max_waiting=args.max_waiting,
                               max_body_bytes=int(args.max_body_bytes))
@@ -180,11 +220,14 @@ def serve(args: argparse.Namespace) -> int:
           f"max_model_len {cap.max_model_len} -> {cap.max_concurrent_seqs:.1f} sequences at full length\n"
           f"  power   {power}\n"
           f"  prices  {prices}\n"
-          f"  ledger  {accounting.ledger.url}\n"
+          f"  ledger  {display_url(accounting.ledger.url)}\n"
           f"  auth    {auth_line}\n"
+          f"  limits  {limits.describe()}\n"
           f"  url     http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                timeout_graceful_shutdown=30)
+    if fd_warning := raise_fd_limit(limits):
+        logger.warning("limits: %s", fd_warning)
+    uvicorn.run(wrap_app(app, limits), host=args.host, port=args.port, log_level=args.log_level.lower(),
+                timeout_graceful_shutdown=30, **limits.uvicorn_kwargs())
     return 0
 
 
@@ -198,10 +241,10 @@ def build_tenancy(args: argparse.Namespace, engine, accounting):  # noqa: ANN001
     policy = engine.scheduler.waiting
     attach_energy(engine, accounting.meter.source)  # only if the policy counts joules
     if not args.auth:
-        return (Tenancy(None, Admission(accounting.ledger), policy),
+        return (Tenancy(None, Admission(accounting.ledger, max_waiting=args.max_waiting), policy),
                 f"off (anyone who can reach the port can use it); scheduling {args.scheduling_policy}")
     store = TenantStore(accounting.ledger.engine)
     num_tenants, num_admin = len(store.list_tenants()), sum(k.is_admin for k in store.list_keys())
     hint = "" if num_admin else "; no admin key yet: `tokenfactory keys create --admin`"
-    return (Tenancy(store, Admission(accounting.ledger), policy),
+    return (Tenancy(store, Admission(accounting.ledger, max_waiting=args.max_waiting), policy),
             f"on: API keys required ({num_tenants} tenants){hint}; scheduling {args.scheduling_policy}")
