@@ -131,9 +131,7 @@ class LLMEngine:
             raise ParameterError("request_id", f"request id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
         self.check_prompt_length(len(ids))
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise ParameterError("stop_token_ids", f"stop_token_ids must be token ids of this model, in [0, {vocab})")
+        self.check_params(params)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         seqs: list[Sequence] = []
         for i in range(params.n):
@@ -145,6 +143,12 @@ class LLMEngine:
         for seq in seqs:
             self.scheduler.add(seq)
         return request_id
+
+    def check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: values that depend on this model."""
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ParameterError("stop_token_ids", f"stop_token_ids must be token ids of this model, in [0, {vocab})")
 
     def check_prompt_length(self, num_prompt_tokens: int) -> None:
         if num_prompt_tokens == 0:

@@ -1,7 +1,13 @@
 """The OpenAI-compatible HTTP API on top of the threaded engine.
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health, GET /metrics.
-Every error leaves in OpenAI's shape {"error": {"message", "type", "param", "code"}}.
+Every error leaves in OpenAI's shape {"error": {"message", "type", "param", "code"}}; an unexpected one
+says only that it happened and under which id the log has it (never SQL, paths or parameters).
+
+A request can only fail itself: its values are checked where they enter (protocol.py), the engine fails a
+request that breaks a step alone (engine/faults.py), its reservations live in one `Reservation` and its
+meter, ledger and tenant accounting in one `Settlement`, each released exactly once on every way out, and
+a streaming client that stops reading is dropped after `stream_send_timeout_s` (streaming.py).
 """
 
 from __future__ import annotations
@@ -9,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -17,29 +24,31 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tokenfactory.engine.async_engine import AddRequest, AsyncEngine, EngineDeadError
+from tokenfactory.engine.async_engine import AddRequest, AsyncEngine, EngineDeadError, RequestError
 from tokenfactory.gateway.accounting import Accounting
 from tokenfactory.gateway.admin import Tenancy
+from tokenfactory.gateway.admission import Admission, Reservation
 from tokenfactory.gateway.metrics import ServerMetrics
-from tokenfactory.gateway.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from tokenfactory.gateway.protocol import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest, _SamplingFields
 from tokenfactory.gateway.render import Choice, render_chat, render_completion, usage_dict
+from tokenfactory.gateway.streaming import EventStream
 from tokenfactory.types import ParameterError, RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class ServerSettings:
     served_model_name: str
-    max_waiting: int = 256  # requests queued beyond this are refused with 503
+    max_waiting: int = 256  # requests queued beyond this are refused with 503 (admission.py enforces it)
     max_body_bytes: int = 4 << 20
     retry_after_s: int = 2
-
-
-# How long a finished stream's body may take to start before the request is settled without it.
-UNSTREAMED_GRACE_S = 10.0
+    stream_send_timeout_s: float = 30.0  # a streaming client that takes no data this long is dropped
 
 
 class APIError(Exception):
@@ -86,14 +95,17 @@ class BodySizeLimit:
 
 def build_app(engine: AsyncEngine, settings: ServerSettings, accounting: Accounting | None = None,
               on_shutdown: Callable[[], None] | None = None, tenancy: Tenancy | None = None) -> FastAPI:
+    if tenancy is None:  # auth off, no limits but the queue bound
+        tenancy = Tenancy(None, Admission(max_waiting=settings.max_waiting, retry_after_s=settings.retry_after_s))
     metrics = ServerMetrics(engine.engine, settings.served_model_name, lambda: engine.num_waiting,
-                            accounting.meter if accounting else None)
-    tenancy = tenancy if tenancy is not None else Tenancy(None)  # None: auth off, no limits
+                            accounting.meter if accounting else None, accounting.ledger if accounting else None,
+                            admission=tenancy.admission)
     handler = Handler(engine, settings, metrics, accounting, tenancy)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
+        await handler.drain()  # SIGTERM: every pending ledger row (aborted requests' too) is written first
         if on_shutdown is not None:
             on_shutdown()
 
@@ -105,10 +117,14 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, accounting: Account
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if engine.is_alive:
-            return JSONResponse({"status": "ok", "model": settings.served_model_name})
-        return JSONResponse({"status": "unavailable", "reason": engine.dead_reason or "the engine is not running"},
-                            status_code=503)
+        if not engine.is_alive:
+            return JSONResponse({"status": "unavailable", "reason": engine.dead_reason or "the engine is not running"},
+                                status_code=503)
+        ledger = accounting.ledger.status() if accounting is not None else None
+        if ledger is not None and ledger.degraded:  # serving goes on; rows wait in the journal
+            return JSONResponse({"status": "degraded", "model": settings.served_model_name, "reason": ledger.reason,
+                                 "ledger_rows_pending": ledger.num_pending})
+        return JSONResponse({"status": "ok", "model": settings.served_model_name})
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -119,7 +135,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, accounting: Account
         e = engine.engine
         return {"object": "list", "data": [{
             "id": settings.served_model_name, "object": "model", "created": int(handler.started),
-            "owned_by": "tokenfactory", "root": e.model_path, "max_model_len": e.max_model_len}]}
+            "owned_by": "tokenfactory", "root": settings.served_model_name, "max_model_len": e.max_model_len}]}
 
     @app.get("/v1/usage")
     async def usage(request: Request, since: str | None = None, group_by: str | None = None,
@@ -180,7 +196,10 @@ def install_error_handlers(app: FastAPI, metrics: ServerMetrics, model_name: str
     @app.exception_handler(Exception)
     async def internal_error(_: Request, e: Exception) -> JSONResponse:
         count(500)
-        return error_response(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+        error_id = uuid.uuid4().hex[:12]
+        logger.error("internal error %s", error_id, exc_info=e)
+        return error_response(500, f"internal server error (id {error_id}); the server's log has the details",
+                              "server_error", code="internal_error")
 
 
 @dataclass
@@ -192,13 +211,44 @@ class Prepared:
     params: SamplingParams
 
 
+class Settlement:
+    """Meter, ledger and tenant reservations of one API request, settled exactly once whatever ends it
+    (the body finishing, a disconnect while the row is written, a failure): the first call starts the one
+    settling task, every later call awaits that same task, and cancelling a caller never cancels it."""
+
+    def __init__(self, handler: Handler, request_id: str, adds: list[AddRequest], reservation: Reservation) -> None:
+        self.handler, self.request_id, self.adds, self.reservation = handler, request_id, adds, reservation
+        self.task: asyncio.Task | None = None
+
+    async def settle(self, finals: list[RequestOutput | None], status: str) -> dict:
+        return await asyncio.shield(self.start(finals, status))
+
+    def start(self, finals: list[RequestOutput | None], status: str) -> asyncio.Task:
+        if self.task is None:
+            self.task = asyncio.ensure_future(self._settle(finals, status))
+            self.handler.background.add(self.task)
+            self.task.add_done_callback(self.handler.background.discard)
+        return self.task
+
+    async def _settle(self, finals: list[RequestOutput | None], status: str) -> dict:
+        extra: dict = {}
+        try:
+            if self.handler.accounting is not None:
+                extra = await self.handler.accounting.settle(self.request_id, [a.request_id for a in self.adds],
+                                                             finals, status, tenant=self.reservation.tenant)
+        except Exception:  # noqa: BLE001 - the answer still goes out; the log says what went wrong
+            logger.exception("settling request %s failed", self.request_id)
+        finally:
+            self.reservation.settle(finals, extra)  # actual use replaces the reservation
+        return extra
+
+
 class Handler:
     def __init__(self, engine: AsyncEngine, settings: ServerSettings, metrics: ServerMetrics,
                  accounting: Accounting | None = None, tenancy: Tenancy | None = None) -> None:
         self.engine, self.settings, self.metrics, self.accounting = engine, settings, metrics, accounting
         self.tenancy = tenancy if tenancy is not None else Tenancy(None)
         self.background: set[asyncio.Task] = set()
-        self.num_reserved = 0
         self.started = time.time()
         self.last_output_time: dict[str, float] = {}
 
@@ -212,6 +262,11 @@ class Handler:
                            f"{self.settings.served_model_name!r} (see GET /v1/models)", "not_found_error",
                            "model", "model_not_found")
 
+    def check_alive(self) -> None:
+        if not self.engine.is_alive:
+            raise APIError(503, self.engine.dead_reason or "the engine is not running", "server_error",
+                           code="engine_unavailable")
+
     def prepare(self, body: _SamplingFields, text: str | None, ids: list[int], max_tokens: int | None,
                 logprobs: int | None) -> Prepared:
         e = self.engine.engine
@@ -223,48 +278,50 @@ class Handler:
             raise ParameterError(
                 "max_tokens", f"this model's context window is {e.max_model_len} model tokens; the prompt has "
                 f"{len(ids)} and max_tokens asks for {max_tokens} more: lower max_tokens to at most {room}")
-        return Prepared(text, ids, body.sampling_params(max_tokens, logprobs))
+        params = body.sampling_params(max_tokens, logprobs)
+        e.check_params(params)
+        return Prepared(text, ids, params)
 
-    def check_capacity(self, num_requests: int) -> None:
-        if not self.engine.is_alive:
-            raise APIError(503, self.engine.dead_reason or "the engine is not running", "server_error")
-        waiting = self.engine.num_waiting + self.num_reserved
-        if waiting + num_requests > self.settings.max_waiting:
-            raise APIError(503, f"the server is overloaded: {waiting} requests are already "
-                           f"waiting (limit {self.settings.max_waiting}); retry after {self.settings.retry_after_s} s",
-                           "server_error", code="overloaded",
-                           headers={"Retry-After": str(self.settings.retry_after_s)})
-        # Admitted but not yet handed to the engine: counted until the request's task starts, so that
-        # requests arriving in the same instant cannot all pass the check.
-        self.num_reserved += num_requests
+    async def drain(self, timeout_s: float = 30.0) -> None:
+        """Shutdown: wait for every pending settlement (aborted requests' rows included)."""
+        if self.background:
+            await asyncio.wait(set(self.background), timeout=timeout_s)
 
     # -- endpoints --------------------------------------------------------------------------------------
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
+        check_unicode(body)
         if body.best_of not in (None, 1) or body.suffix is not None:
             raise ParameterError("best_of" if body.suffix is None else "suffix",
                                  "best_of and suffix are not supported by this server")
-        prompts = self.normalize_prompts(body.prompt)
+        body.sampling_params(body.max_tokens, body.logprobs)  # cheap checks before tokenizing anything
+        prompts = await asyncio.to_thread(self.normalize_prompts, body.prompt)
         prepared = [self.prepare(body, text, ids, body.max_tokens, body.logprobs) for text, ids in prompts]
         return await self.serve(body, prepared, request, "text_completion", echo=body.echo)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
+        check_unicode(body)
         body.check_supported()
         messages = []
         for m in body.messages:
             extra = {k: v for k, v in (m.model_extra or {}).items() if isinstance(v, str)}
             messages.append({**extra, "role": m.role, "content": m.text()})
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
-        except Exception as e:  # the template's own raise_exception(): e.g. roles out of order
-            raise ParameterError("messages", f"the model's chat template refused these messages: {e}") from e
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        body.sampling_params(max_tokens, logprobs)  # cheap checks before tokenizing anything
+        text, ids = await asyncio.to_thread(self.chat_prompt, messages, body.add_generation_prompt)
         prepared = [self.prepare(body, text, ids, max_tokens, logprobs)]
         return await self.serve(body, prepared, request, "chat.completion")
+
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool) -> tuple[str, list[int]]:
+        """The chat template applied and tokenized (in a worker thread: long conversations take a while)."""
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # the template's own raise_exception(): e.g. roles out of order
+            raise ParameterError("messages", f"the model's chat template refused these messages: {e}") from e
+        return text, self.tokenizer.encode(text, add_special_tokens=False)
 
     def normalize_prompts(self, prompt: str | list) -> list[tuple[str | None, list[int]]]:
         if isinstance(prompt, str):
@@ -273,6 +330,8 @@ class Handler:
             raise ParameterError("prompt", "prompt must not be empty")
         if all(isinstance(p, int) for p in prompt):
             return [(None, self.engine.engine.tokenize_prompt(list(prompt))[1])]
+        if len(prompt) > MAX_PROMPTS:
+            raise ParameterError("prompt", f"at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}")
         if all(isinstance(p, str) for p in prompt):
             return [(p, self.tokenizer.encode(p)) for p in prompt]
         if all(isinstance(p, list) for p in prompt):
@@ -282,31 +341,35 @@ class Handler:
 
     async def serve(self, body: _SamplingFields, prepared: list[Prepared], request: Request, kind: str,
                     echo: bool = False) -> Response:
-        self.check_capacity(len(prepared))
+        self.check_alive()
         request_id = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}"
-        # Tenancy (admin.py): the caller's limits are checked and its worst case reserved; settle() releases.
+        # The caller's limits are checked and its worst case reserved (queue slots, concurrency, tokens,
+        # budget); the Settlement releases all of it exactly once, on every way out.
         worst_tokens = sum(len(p.token_ids) + p.params.n * (p.params.max_tokens or 0) for p in prepared)
-        tenant, priority = self.tenancy.admit(request, request_id, worst_tokens)
-        adds = [AddRequest(f"{request_id}-{i}", p.token_ids, p.text, p.params, time.monotonic(), tenant, priority)
-                for i, p in enumerate(prepared)]
+        reservation = self.tenancy.admit(request, request_id, worst_tokens=worst_tokens, num_prompts=len(prepared),
+                                         model=self.settings.served_model_name)
+        try:
+            adds = [AddRequest(f"{request_id}-{i}", p.token_ids, p.text, p.params, time.monotonic(),
+                               reservation.tenant, reservation.priority) for i, p in enumerate(prepared)]
+            settlement = Settlement(self, request_id, adds, reservation)
+        except BaseException:
+            reservation.cancel()
+            raise
         render = render_chat if kind == "chat.completion" else render_completion
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            # The engine requests start now, whether or not the response body is ever read.
-            queue: asyncio.Queue = asyncio.Queue()
-            tasks = [asyncio.ensure_future(self.pump(i, a, queue)) for i, a in enumerate(adds)]
-            owner: list[str] = []  # who settles (meter, ledger, tenant limits): the body, or the fallback
-            loop = asyncio.get_running_loop()
-            asyncio.gather(*tasks, return_exceptions=True).add_done_callback(lambda _: loop.call_later(
-                UNSTREAMED_GRACE_S, self.settle_unstreamed, request_id, adds, queue, owner))
-            return StreamingResponse(self.stream(adds, tasks, queue, request_id, render, include_usage, echo, owner),
-                                     media_type="text/event-stream")
-        latest: dict[int, RequestOutput] = {}
+            latest: dict[int, RequestOutput] = {}
+            events = self.stream(adds, settlement, latest, render, include_usage, echo)
+
+            async def on_close(how: str) -> None:  # the body's own settlement, or this one if it never ran
+                await settlement.settle([latest.get(i) for i in range(len(adds))], "aborted")
+            return EventStream(events, on_close, self.settings.stream_send_timeout_s)
+        latest = {}
         try:
-            finals = await self.collect(adds, request, latest)
+            finals = await self.collect(adds, request, latest, reservation)
         except BaseException as e:
-            status = "failed" if isinstance(e, (APIError, EngineDeadError)) else "aborted"
-            self.settle_later(request_id, adds, [latest.get(i) for i in range(len(adds))], status)
+            status = "failed" if isinstance(e, APIError) else "aborted"
+            settlement.start([latest.get(i) for i in range(len(adds))], status)
             raise
         choices = []
         for i, out in enumerate(finals):
@@ -314,38 +377,24 @@ class Handler:
             for c in out.outputs:
                 prefix = (out.prompt or "") if echo else ""
                 choices.append(Choice(i * n + c.index, prefix + c.text, c.finish_reason, c.logprobs))
-        extra = await self.settle(request_id, adds, finals, "finished")
+        extra = await settlement.settle(list(finals), "finished")
         return JSONResponse(render.full(request_id, self.settings.served_model_name, choices,
                                         usage_dict(finals, extra)))
 
-    async def settle(self, request_id: str, adds: list[AddRequest], finals: list[RequestOutput | None],
-                     status: str) -> dict:
-        """Meter and ledger for the request; awaited before the response's last byte."""
-        extra: dict = {}
-        try:
-            if self.accounting is not None:
-                extra = await self.accounting.settle(request_id, [a.request_id for a in adds], finals, status,
-                                                     tenant=adds[0].tenant)
-        finally:
-            self.tenancy.settle(request_id, finals, extra)  # actual use replaces the reservation
-        return extra
-
-    def settle_later(self, request_id: str, adds: list[AddRequest], finals: list[RequestOutput | None],
-                     status: str) -> None:
-        """For requests that ended without a response (client gone, failure): record them all the same."""
-        task = asyncio.ensure_future(self.settle(request_id, adds, finals, status))
-        self.background.add(task)
-        task.add_done_callback(self.background.discard)
-
-    async def collect(self, adds: list[AddRequest], request: Request,
-                      latest: dict[int, RequestOutput]) -> list[RequestOutput]:
+    async def collect(self, adds: list[AddRequest], request: Request, latest: dict[int, RequestOutput],
+                      reservation: Reservation) -> list[RequestOutput]:
         """Run each prompt to the end; if the client disconnects first, abort them all."""
         async def one(i: int, add: AddRequest) -> RequestOutput:
-            self.num_reserved -= 1  # handed to the engine, which counts it from here (no await between)
             final = None
             try:
                 async for out in self.engine.generate(add):
+                    if final is None:
+                        reservation.leave_queue(i)
                     final = latest[i] = self.observe(out, final)
+            except RequestError as e:
+                raise APIError(500, str(e), "server_error", code="request_failed") from e
+            except EngineDeadError as e:
+                raise APIError(503, str(e), "server_error", code="engine_unavailable") from e
             finally:
                 self.last_output_time.pop(add.request_id, None)
             assert final is not None
@@ -357,12 +406,13 @@ class Handler:
             while True:
                 done, _ = await asyncio.wait({gathered}, timeout=0.5)
                 if done:
-                    return self.unwrap(gathered)
+                    return gathered.result()
                 if await request.is_disconnected():
                     raise asyncio.CancelledError
         finally:
             for t in tasks:
                 t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)  # each engine request aborted before we go
 
     async def usage(self, since: str | None, group_by: str | None, tenant: str | None = None) -> dict:
         """Totals from the ledger; `tenant`: only that tenant's rows (what a tenant's key may read)."""
@@ -379,12 +429,6 @@ class Handler:
                                        tenant=tenant)
         return {"object": "usage", "group_by": group_by, "since": since, "tenant": tenant,
                 "data": [dataclasses.asdict(r) for r in rows]}
-
-    def unwrap(self, gathered: asyncio.Future) -> list[RequestOutput]:
-        try:
-            return gathered.result()
-        except EngineDeadError as e:
-            raise APIError(500, str(e), "server_error") from e
 
     def observe(self, out: RequestOutput, previous: RequestOutput | None) -> RequestOutput:
         """Per output event: inter-token latency (spread over the tokens the event carries), and the
@@ -412,69 +456,74 @@ class Handler:
         for c in out.outputs:
             self.metrics.success.labels(name, str(c.finish_reason)).inc()
 
-    async def pump(self, i: int, add: AddRequest, queue: asyncio.Queue) -> None:
-        """Move one engine request's outputs into the response's queue."""
-        self.num_reserved -= 1  # handed to the engine, which counts it from here (no await between)
-        previous = None
-        try:
-            async for out in self.engine.generate(add):
-                previous = self.observe(out, previous)
-                await queue.put((i, out))
-        except EngineDeadError as e:
-            await queue.put((i, e))
-        finally:
-            self.last_output_time.pop(add.request_id, None)
-
-    def settle_unstreamed(self, request_id: str, adds: list[AddRequest], queue: asyncio.Queue,
-                          owner: list[str]) -> None:
-        """A stream whose body never started (the client left before its first byte): the engine work ran,
-        so its ledger row is written and its tenant's reservation released all the same."""
-        if owner:
-            return
-        owner.append("fallback")
-        latest: dict[int, RequestOutput] = {}
-        while not queue.empty():
-            i, out = queue.get_nowait()
-            if isinstance(out, RequestOutput):
-                latest[i] = out
-        self.settle_later(request_id, adds, [latest.get(i) for i in range(len(adds))], "aborted")
-
-    async def stream(self, adds: list[AddRequest], tasks: list[asyncio.Task], queue: asyncio.Queue,
-                     request_id: str, render: type, include_usage: bool, echo: bool,
-                     owner: list[str]) -> AsyncIterator[str]:
-        if owner:  # the fallback settled it already: nothing left to send
-            return
-        owner.append("stream")
-        model, created = self.settings.served_model_name, int(time.time())
+    async def stream(self, adds: list[AddRequest], settlement: Settlement, latest: dict[int, RequestOutput],
+                     render: type, include_usage: bool, echo: bool) -> AsyncIterator[str]:
+        """The SSE body: every prompt's engine stream read directly (each holds at most one pending
+        output), never through a queue of its own. Closing it aborts whatever has not finished."""
+        model, created, request_id = self.settings.served_model_name, int(time.time()), settlement.request_id
+        gens = [self.engine.generate(a) for a in adds]
+        nexts: dict[asyncio.Future, int] = {}
         finals: dict[int, RequestOutput] = {}
-        latest: dict[int, RequestOutput] = {}
-        settled = failed = False
         try:
             for chunk in render.first_chunks(request_id, model, created, adds, echo):
                 yield sse(chunk, include_usage)
-            while len(finals) < len(adds):
-                i, out = await queue.get()
-                if isinstance(out, Exception):
-                    failed = True
-                    yield sse({"error": {"message": str(out), "type": "server_error", "param": None, "code": None}})
-                    return
-                latest[i] = out
-                for chunk in render.delta_chunks(request_id, model, created, i, out):
-                    yield sse(chunk, include_usage)
-                if out.finished:
-                    finals[i] = out
+            nexts = {asyncio.ensure_future(anext(g)): i for i, g in enumerate(gens)}
+            while nexts:
+                done, _ = await asyncio.wait(nexts, return_when=asyncio.FIRST_COMPLETED)
+                for future in done:
+                    i = nexts.pop(future)
+                    try:
+                        out = future.result()
+                    except (RequestError, EngineDeadError) as e:
+                        settlement.start([finals.get(j, latest.get(j)) for j in range(len(adds))], "failed")
+                        code = "request_failed" if isinstance(e, RequestError) else "engine_unavailable"
+                        yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": code}})
+                        return
+                    if i not in latest:
+                        settlement.reservation.leave_queue(i)
+                    latest[i] = self.observe(out, latest.get(i))
+                    for chunk in render.delta_chunks(request_id, model, created, i, out):
+                        yield sse(chunk, include_usage)
+                    if out.finished:
+                        finals[i] = out
+                    else:
+                        nexts[asyncio.ensure_future(anext(gens[i]))] = i
             ordered = [finals[i] for i in sorted(finals)]
-            extra = await self.settle(request_id, adds, ordered, "finished")
-            settled = True
+            extra = await settlement.settle(list(ordered), "finished")
             if include_usage:
                 yield sse(render.usage_chunk(request_id, model, created, usage_dict(ordered, extra)))
             yield "data: [DONE]\n\n"
         finally:
-            for t in tasks:
-                t.cancel()
-            if not settled:
-                self.settle_later(request_id, adds, [finals.get(i, latest.get(i)) for i in range(len(adds))],
-                                  "failed" if failed else "aborted")
+            for future in nexts:
+                future.cancel()
+            await asyncio.gather(*nexts, return_exceptions=True)
+            for g in gens:
+                await g.aclose()  # an unfinished engine request is aborted here, its blocks freed
+            for a in adds:
+                self.last_output_time.pop(a.request_id, None)
+
+
+def check_unicode(body: BaseModel) -> None:
+    """Strings must be valid Unicode: JSON may carry a lone surrogate (\\ud800) that no tokenizer takes."""
+    def walk(value: object, path: str) -> None:
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ParameterError(path, f"{path} is not valid Unicode: it holds a lone surrogate "
+                                     "(\\ud800-\\udfff) that is not half of a pair") from None
+        elif isinstance(value, BaseModel):
+            for k, v in {**value.__dict__, **(value.model_extra or {})}.items():
+                walk(v, f"{path}.{k}" if path else k)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(k, path)
+                walk(v, f"{path}.{k}")
+        elif isinstance(value, list | tuple):
+            for i, v in enumerate(value):
+                walk(v, f"{path}[{i}]")
+
+    walk(body, "")
 
 
 def sse(chunk: dict, include_usage: bool = False) -> str:

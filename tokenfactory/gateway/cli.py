@@ -72,6 +72,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: the file's name)")
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests beyond this get 503")
     p.add_argument("--max-body-bytes", type=parse_memory, default=4 << 20)
+    p.add_argument("--stream-send-timeout", type=float, default=30.0,
+                   help="seconds a streaming client may take no data before it is dropped and its request "
+                        "aborted (and billed for what was made)")
     p.add_argument("--data-dir", default=None, help="where the ledger lives (default: a per-user directory)")
     p.add_argument("--database-url", default=None, help="a SQLAlchemy URL instead of SQLite in --data-dir")
     p.add_argument("--power-source", default="auto",
@@ -208,7 +211,8 @@ def serve(args: argparse.Namespace) -> int:
         accounting.close()
 
     settings = ServerSettings(served_model_name=name, max_waiting=args.max_waiting,
-                              max_body_bytes=int(args.max_body_bytes))
+                              max_body_bytes=int(args.max_body_bytes),
+                              stream_send_timeout_s=args.stream_send_timeout)
     tenancy, auth_line = build_tenancy(args, engine, accounting)
     app = build_app(async_engine, settings, accounting, on_shutdown=shutdown, tenancy=tenancy)
     cap = engine.capacity
