@@ -76,7 +76,8 @@ def test_a_request_id_is_recorded_once(tmp_path: Path) -> None:
     ledger.close()
 
 
-def test_an_old_ledger_gets_the_unique_index_or_keeps_working_without(tmp_path: Path, caplog) -> None:
+def test_an_old_ledger_gets_the_unique_index_or_keeps_working_without(tmp_path: Path,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
     def make_old(directory: Path, duplicate: bool) -> None:  # as ledgers were before request_id was unique
         ledger = Ledger.open(directory)
         with ledger.engine.begin() as conn:
@@ -292,7 +293,7 @@ def test_concurrent_replays_count_each_row_once(tmp_path: Path) -> None:
         other.close()
 
 
-def test_a_torn_last_line_is_skipped_and_the_rest_replayed(tmp_path: Path, caplog) -> None:
+def test_a_torn_last_line_is_skipped_and_the_rest_replayed(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     Ledger.open(tmp_path).close()
     journal = JournalFile(journal_path(tmp_path))
     journal.append([row_values(row(i)) for i in range(5)])
@@ -353,7 +354,7 @@ def test_the_data_directory_and_its_files_are_private(tmp_path: Path) -> None:
     assert (mode(data), mode(data / "ledger.db"), mode(journal_path(data))) == (0o700, 0o600, 0o600)
 
 
-def test_without_a_data_directory_rows_wait_in_memory(tmp_path: Path, caplog) -> None:
+def test_without_a_data_directory_rows_wait_in_memory(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     Ledger.open(tmp_path).close()
     read_only = Ledger(f"sqlite:///file:{ledger_path(tmp_path)}?mode=ro&uri=true", config=FAST)
     read_only.record(row(1))  # a bare URL has no journal file: held, and said so at exit

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
 
 
-def test_a_server_whose_ledger_refuses_writes_still_answers_and_bills(tmp_path) -> None:
+def test_a_server_whose_ledger_refuses_writes_still_answers_and_bills(tmp_path: Path) -> None:
     data = tmp_path / "data"
     Ledger.open(data).close()  # made by an earlier run; now the file cannot be written
     db = data / "ledger.db"

@@ -290,10 +290,6 @@ class Journal:
     def refusing(self) -> bool:
         return self._refusing  # one attribute read: no lock needed
 
-    @property
-    def num_waiting_at_start(self) -> int:
-        return self._num_in_file
-
     def status(self) -> LedgerStatus:
         with self._lock:
             return LedgerStatus(self._degraded, self._reason, len(self._held) + self._num_in_file,

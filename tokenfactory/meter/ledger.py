@@ -238,7 +238,7 @@ class Ledger:
         return self._journal.replay()
 
     def _write(self, batch: list[dict[str, Any]]) -> int:
-        if self._journal.refusing:  # it refused the last attempt: spare it (and the caller) until a replay works
+        if self._journal.refusing:  # it refused the last attempt: spare it (and the caller) till a replay works
             reason = self._journal.status().reason or "the database refused an earlier write"
         else:
             try:
@@ -324,7 +324,7 @@ class Ledger:
         return False
 
     def _replay_at_start(self) -> None:
-        if not self._journal.num_waiting_at_start and not (self._journal.file and self._journal.file.pending_files()):
+        if self._journal.file is None or self._journal.file.is_empty():
             return
         try:
             num = self._journal.replay()
