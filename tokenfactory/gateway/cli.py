@@ -105,6 +105,9 @@ def add_limit_args(p: argparse.ArgumentParser) -> None:
                    help="seconds from the end of a request head to the end of its body; past it, 408")
     g.add_argument("--max-header-bytes", type=parse_memory, default=16 << 10,
                    help="request line and headers beyond this size get 431")
+    g.add_argument("--send-buffer", type=parse_memory, default=256 << 10,
+                   help="the kernel's send buffer per connection (SO_SNDBUF): what a client that stops reading "
+                        "can hold of the server's memory before --stream-send-timeout counts")
 
 
 def limit_settings_from_args(args: argparse.Namespace):  # noqa: ANN201 - LimitSettings (imports uvicorn)
@@ -112,7 +115,8 @@ def limit_settings_from_args(args: argparse.Namespace):  # noqa: ANN201 - LimitS
 
     return LimitSettings(limit_concurrency=args.limit_concurrency or None, backlog=args.backlog,
                          timeout_keep_alive_s=args.timeout_keep_alive, header_timeout_s=args.header_timeout,
-                         body_timeout_s=args.body_timeout, max_header_bytes=int(args.max_header_bytes))
+                         body_timeout_s=args.body_timeout, max_header_bytes=int(args.max_header_bytes),
+                         send_buffer_bytes=int(args.send_buffer))
 
 
 def display_url(url: str) -> str:
@@ -187,6 +191,7 @@ def build_accounting(args: argparse.Namespace, engine, name: str):  # noqa: ANN0
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvicorn
+    from sqlalchemy.exc import SQLAlchemyError
 
     from tokenfactory.engine.async_engine import AsyncEngine
     from tokenfactory.gateway.app import ServerSettings, build_app
@@ -198,7 +203,7 @@ def serve(args: argparse.Namespace) -> int:
         engine.warmup()
         name = served_name(engine.model_path, args.served_model_name)
         accounting, power, prices = build_accounting(args, engine, name)
-    except (ValueError, FileNotFoundError, OSError) as e:
+    except (ValueError, FileNotFoundError, OSError, SQLAlchemyError) as e:
         print(f"tokenfactory serve: cannot start: {e}", file=sys.stderr)
         return 2
     async_engine = AsyncEngine(engine)

@@ -22,6 +22,7 @@ import asyncio
 import json
 import logging
 import resource
+import socket
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,9 @@ class LimitSettings:
     header_timeout_s: float = 10.0  # from a request head's first byte (or the connection) to its end
     body_timeout_s: float = 30.0  # from the end of the head to the end of the body
     max_header_bytes: int = 16 << 10  # a request line and headers beyond this: 431
+    # The kernel's send buffer per connection (SO_SNDBUF): without it Linux grows a socket that a client
+    # does not read up to tcp_wmem's maximum (4 MiB), per connection, before the server sees back-pressure.
+    send_buffer_bytes: int = 256 << 10
 
     def __post_init__(self) -> None:
         for name in ("timeout_keep_alive_s", "header_timeout_s", "body_timeout_s"):
@@ -55,6 +59,8 @@ class LimitSettings:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.limit_concurrency is not None and self.limit_concurrency < 1:
             raise ValueError(f"limit_concurrency must be >= 1 (or None: no limit), got {self.limit_concurrency}")
+        if self.send_buffer_bytes < 4096:
+            raise ValueError(f"send_buffer_bytes must be >= 4096, got {self.send_buffer_bytes}")
         if self.backlog < 1 or self.max_header_bytes < 1024:
             raise ValueError(f"backlog must be >= 1 and max_header_bytes >= 1024, got {self.backlog} and "
                              f"{self.max_header_bytes}")
@@ -68,7 +74,8 @@ class LimitSettings:
         """One banner line."""
         limit = "no connection limit" if self.limit_concurrency is None else f"{self.limit_concurrency} connections"
         return (f"{limit}; head {self.header_timeout_s:g} s and {self.max_header_bytes} bytes, body "
-                f"{self.body_timeout_s:g} s, keep-alive {self.timeout_keep_alive_s:g} s")
+                f"{self.body_timeout_s:g} s, keep-alive {self.timeout_keep_alive_s:g} s, send buffer "
+                f"{self.send_buffer_bytes >> 10} KiB")
 
 
 def error_body(status: int, message: str, code: str) -> bytes:
@@ -112,6 +119,9 @@ class LimitedH11Protocol(H11Protocol):
         return gated
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:  # bounded kernel memory for a client that stops reading
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.settings.send_buffer_bytes)
         super().connection_made(transport)
         self._track_deadline()  # a connection that never sends a byte is a head that never ends
 
