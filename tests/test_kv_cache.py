@@ -71,8 +71,15 @@ def test_hash_collision_is_caught_by_token_check() -> None:
 
 def test_allocation_is_all_or_nothing() -> None:
     kv = BlockManager(num_blocks=2, block_size=4)
-    assert not kv.allocate("a", 9)
-    assert kv.num_free_blocks == 2 and "a" not in kv.seq_to_block_ids or kv.block_ids("a") == []
+    assert not kv.allocate("a", 9)  # needs 3 blocks of 2
+    assert kv.num_free_blocks == 2
+    assert "a" not in kv.seq_to_block_ids  # not even an empty table is left behind
+    # Growing a table that cannot grow all the way keeps what it had, and takes nothing more.
+    assert kv.allocate("b", 4)
+    before = kv.block_ids("b")
+    assert not kv.allocate("b", 12)
+    assert kv.block_ids("b") == before and len(before) == 1 and kv.num_free_blocks == 1
+    check_invariants(kv)
 
 
 ops = st.lists(st.tuples(st.sampled_from(["add", "step", "abort", "finish"]),
