@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from tokenfactory.engine.attention import decode_attention_torch
-from tokenfactory.engine.cpu_kernels import paged_decode_kernel
+from tokenfactory.layers.attention import decode_attention_torch
+from tokenfactory.layers.cpu_kernels import paged_decode_kernel
 
 kernel = paged_decode_kernel()
 pytestmark = pytest.mark.skipif(kernel is None, reason="the CPU kernel could not be built here")
@@ -102,7 +102,7 @@ def test_several_rows_per_sequence_see_keys_up_to_their_own_position(dtype, tol)
 def test_a_failed_build_falls_back_with_one_warning(monkeypatch, caplog):
     import torch.utils.cpp_extension
 
-    import tokenfactory.engine.cpu_kernels as cpu_kernels
+    import tokenfactory.layers.cpu_kernels as cpu_kernels
 
     def broken_load(**kwargs):
         raise RuntimeError("Error building extension: g++: command not found")
@@ -110,14 +110,14 @@ def test_a_failed_build_falls_back_with_one_warning(monkeypatch, caplog):
     monkeypatch.setattr(torch.utils.cpp_extension, "load", broken_load)
     monkeypatch.setattr(cpu_kernels, "_tried", False)
     monkeypatch.setattr(cpu_kernels, "_module", None)
-    with caplog.at_level("WARNING", logger="tokenfactory.engine.cpu_kernels"):
+    with caplog.at_level("WARNING", logger="tokenfactory.layers.cpu_kernels"):
         assert cpu_kernels.paged_decode_kernel() is None
         assert cpu_kernels.paged_decode_kernel() is None  # asked again: no second build, no second warning
     assert len(caplog.records) == 1 and "g++: command not found" in caplog.text and "PyTorch path" in caplog.text
 
 
 def test_kernels_can_be_switched_off(monkeypatch):
-    import tokenfactory.engine.cpu_kernels as cpu_kernels
+    import tokenfactory.layers.cpu_kernels as cpu_kernels
 
     monkeypatch.setenv("TOKENFACTORY_CPU_KERNELS", "0")
     monkeypatch.setattr(cpu_kernels, "_tried", False)
@@ -127,7 +127,7 @@ def test_kernels_can_be_switched_off(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_matches_the_reference(dtype):
-    from tokenfactory.engine.cpu_kernels import rms_norm_kernel
+    from tokenfactory.layers.cpu_kernels import rms_norm_kernel
 
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(7, 576, generator=g) * 3).to(dtype)
@@ -145,8 +145,8 @@ def test_rms_norm_matches_the_reference(dtype):
 def test_the_fallback_splits_speculative_rows_as_the_kernel_does(monkeypatch):
     # Where the kernel is absent (CUDA, no compiler), attention.py expands a sequence's rows into one-row
     # "sequences" for the PyTorch path: the result must equal the kernel's.
-    import tokenfactory.engine.attention as attention
-    from tokenfactory.engine.attention import AttentionMetadata
+    import tokenfactory.layers.attention as attention
+    from tokenfactory.layers.attention import AttentionMetadata
 
     lens, rows = [40, 5, 16, 200], [5, 1, 3, 2]
     _, k, v, tables, seq_lens = paged_case(lens, 9, 3, torch.float32)

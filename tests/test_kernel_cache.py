@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch.utils.cpp_extension
 
-from tokenfactory.engine import cpu_kernels
+from tokenfactory.layers import cpu_kernels
 
 NOBODY = 65534
 

@@ -13,9 +13,9 @@ from safetensors.torch import save_file
 
 from tests.reference import tiny_gguf_file, tiny_random_model_dir
 from tokenfactory.cli import main
-from tokenfactory.engine.quant import source_weights
-from tokenfactory.engine.quant_file import is_quantized_file, save_quantized
+from tokenfactory.layers.quant import source_weights
 from tokenfactory.models.loader import load_model
+from tokenfactory.models.quant_file import is_quantized_file, save_quantized
 from tokenfactory.quality.eval import greedy_tokens, load_engine
 
 

@@ -10,7 +10,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from tokenfactory.engine.quant_formats import (
+from tokenfactory.layers.quant_formats import (
     Int4Weight,
     Int8Weight,
     concat_rows,

@@ -9,14 +9,14 @@ import torch
 from torch import nn
 
 from tests.reference import tiny_gguf_file, tiny_random_model_dir
-from tokenfactory.engine.attention import AttentionMetadata, PrefillSpan
-from tokenfactory.engine.quant import (
+from tokenfactory.layers.attention import AttentionMetadata, PrefillSpan
+from tokenfactory.layers.quant import (
     QuantizedLinear,
     apply_quantization,
     decode_weight_bytes,
     source_weights,
 )
-from tokenfactory.engine.quant_formats import Int8Weight, quantize_int4, quantize_int8
+from tokenfactory.layers.quant_formats import Int8Weight, quantize_int4, quantize_int8
 from tokenfactory.models.llama import LlamaForCausalLM
 from tokenfactory.models.loader import LoadedModel, load_model
 from tokenfactory.types import ParameterError
@@ -142,7 +142,7 @@ def build_model(loaded: LoadedModel, dtype: torch.dtype = torch.bfloat16) -> Lla
     model = model.to_empty(device="cpu")
     model.load_hf_weights(loaded.weights)
     model = model.to(dtype).eval()
-    from tokenfactory.models.llama import Rotary
+    from tokenfactory.layers.rotary import Rotary
 
     model.rotary = Rotary(loaded.config, 64)
     return model

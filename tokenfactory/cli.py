@@ -14,7 +14,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "tokenfactory.planner.cli",  # plan, doctor
     "tokenfactory.bench.cli",  # bench offline | serve | sweep | compare | report
     "tokenfactory.tenants.cli",  # tenants add|list|update|remove, keys create|list|revoke
-    "tokenfactory.engine.quant_cli",  # quantize, eval
+    "tokenfactory.quality.cli",  # quantize, eval
 )
 
 

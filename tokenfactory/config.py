@@ -80,9 +80,12 @@ class EngineConfig:
     # Bytes (int) or a fraction of free memory (float in (0, 1]); None: a default for the device.
     kv_cache_memory: int | float | None = None
     enable_prefix_caching: bool = True
-    # Weight quantization: "none", or a scheme of tokenfactory.engine.quant (int8, int4, ...; "auto" keeps
+    # Weight quantization: "none", or a scheme of tokenfactory.layers.quant (int8, int4, ...; "auto" keeps
     # a GGUF file's own quantization). Validated where the schemes live.
     quantization: str = "auto"
+    # Quantized layers' path for large steps: "copy" keeps the dequantized weight, "on-the-fly" dequantizes
+    # per call (less memory, slower batches); `QuantOptions.dense` in tokenfactory.layers.quant, validated there.
+    quantization_dense: str = "copy"
     seed: int = 0
     # CPU: run steps of at most this many tokens on one thread (0: off). Pays where the cores are shared with
     # other busy threads, as in a server (its event loop, clients on the same machine); `serve` turns it on.

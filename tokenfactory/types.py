@@ -21,6 +21,10 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20
 
+# Priority bands: a tenant's band name -> Sequence.priority; lower is admitted first. Shared by the tenant
+# store (which validates names) and the fair-share policies (which order by it).
+BANDS: dict[str, int] = {"interactive": 0, "standard": 1, "batch": 2}
+
 
 class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS token, a stop token id or a stop string

@@ -65,8 +65,7 @@ class HFBaseline:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from tokenfactory.gateway.cli import served_name
-        from tokenfactory.models.loader import bundled_model_path
+        from tokenfactory.models.loader import bundled_model_path, served_name
 
         if config.threads:
             torch.set_num_threads(config.threads)

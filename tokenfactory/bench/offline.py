@@ -89,7 +89,7 @@ def run_engine(args: argparse.Namespace) -> tuple[dict[str, Any], list[tuple[lis
     elapsed = time.perf_counter() - t
     out_tokens = sum(len(finals[i].outputs[0].token_ids) for i in ids)
     single = single_stream_engine(engine, args)
-    from tokenfactory.engine.quant import decode_weight_bytes
+    from tokenfactory.layers.quant import decode_weight_bytes
 
     return {"dtype": str(engine.dtype).removeprefix("torch."), "quantization": engine.config.quantization,
             "weight_bytes_resident": engine.runner.weight_bytes,

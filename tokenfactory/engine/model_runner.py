@@ -13,14 +13,15 @@ from dataclasses import dataclass
 import torch
 
 from tokenfactory.config import ModelConfig
-from tokenfactory.engine.attention import AttentionMetadata, PrefillSpan
-from tokenfactory.engine.cpu_kernels import paged_decode_kernel
-from tokenfactory.engine.quant import apply_quantization
 from tokenfactory.engine.sampler import SampledToken, Sampler, SamplingBatch
 from tokenfactory.engine.scheduler import SchedulerOutput
 from tokenfactory.engine.sequence import Draft, Sequence
-from tokenfactory.models.llama import MODEL_REGISTRY, LlamaForCausalLM, Rotary
-from tokenfactory.models.loader import RawGGUFTensors
+from tokenfactory.layers.attention import AttentionMetadata, PrefillSpan
+from tokenfactory.layers.cpu_kernels import paged_decode_kernel
+from tokenfactory.layers.quant import QuantOptions, apply_quantization
+from tokenfactory.layers.quant_formats import RawGGUFTensors
+from tokenfactory.layers.rotary import Rotary
+from tokenfactory.models.llama import MODEL_REGISTRY, LlamaForCausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -55,7 +56,8 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor], *, device: torch.device,
                  dtype: torch.dtype, num_blocks: int, block_size: int, max_model_len: int,
                  sampler: Sampler, quantization: str = "none", raw_gguf: RawGGUFTensors | None = None,
-                 quantized: dict | None = None, single_thread_step_tokens: int = 0) -> None:
+                 quantized: dict | None = None, quant_options: QuantOptions | None = None,
+                 single_thread_step_tokens: int = 0) -> None:
         self.cfg = model_config
         self.device, self.dtype = device, dtype
         self.block_size = block_size
@@ -69,7 +71,8 @@ class ModelRunner:
         model = model.to_empty(device="cpu")
         model.load_hf_weights(weights)
         model = model.to(device=device, dtype=dtype).eval()
-        apply_quantization(model, quantization, raw_gguf=raw_gguf, dtype=dtype, device=device, quantized=quantized)
+        self.quant_summary = apply_quantization(model, quantization, raw_gguf=raw_gguf, dtype=dtype, device=device,
+                                                quantized=quantized, options=quant_options)
         # RoPE tables stay float32 whatever the model's dtype (as the reference computes them).
         model.rotary = Rotary(model_config, max_model_len).to(device)
         self.model: LlamaForCausalLM = model

@@ -11,7 +11,7 @@ tables; it does not alter existing ones). Times are stored as naive UTC.
 Queries: `totals(since, group_by)` sums requests, tokens, joules and cost, grouped by day, tenant or
 model. They read usage_daily (rollup.py: sums per day × tenant × model × source, upserted in the
 same transaction as each row) for whole days, and `requests` through its created_at index for a
-partial first day, so they cost the same at a thousand rows and at a million; bench_ledger.py says
+partial first day, so they cost the same at a thousand rows and at a million; bench/ledger.py says
 how fast. Write through Ledger only (or call rebuild_rollup() after writing around it).
 
 A row is never dropped and never counted twice (issue #13). `request_id` is unique, and inserts skip a

@@ -35,7 +35,8 @@ from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from tokenfactory.config import ModelConfig
-from tokenfactory.models.loader import LoadedModel, RawGGUFTensors, check_weight_shapes, expected_weight_shapes
+from tokenfactory.layers.quant_formats import RawGGUFTensors
+from tokenfactory.models.loader import LoadedModel, check_weight_shapes, expected_weight_shapes
 from tokenfactory.models.tokenizer import Tokenizer, template_processing
 
 logger = logging.getLogger(__name__)

@@ -8,51 +8,14 @@ the model knowing.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tokenfactory.config import ModelConfig
-from tokenfactory.engine.attention import AttentionMetadata, paged_attention
-from tokenfactory.engine.cpu_kernels import rms_norm_kernel
-
-
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies (head_dim/2,), with Llama 3.1's frequency-dependent scaling when configured
-    (as in Meta's reference `apply_scaling` and transformers' `_compute_llama3_parameters`)."""
-    d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    rs = cfg.rope_scaling
-    if not rs or rs.get("rope_type", rs.get("type")) != "llama3":
-        return inv_freq.float()
-    factor = float(rs["factor"])
-    low, high = float(rs.get("low_freq_factor", 1.0)), float(rs.get("high_freq_factor", 4.0))
-    old_len = float(rs.get("original_max_position_embeddings", 8192))
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (old_len / wavelen - low) / (high - low)
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
-    scaled = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
-    return scaled.float()
-
-
-class Rotary(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
-        super().__init__()
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(cfg))
-        self.register_buffer("cos", freqs.cos(), persistent=False)  # (P, d/2)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (T, heads, d); cos/sin (T, 1, d/2). The rotate-half convention of the HF checkpoints."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+from tokenfactory.layers.attention import AttentionMetadata, paged_attention
+from tokenfactory.layers.norm import rms_norm
+from tokenfactory.layers.rotary import Rotary, apply_rope
 
 
 class DecoderLayer(nn.Module):
@@ -84,14 +47,6 @@ class DecoderLayer(nn.Module):
         x = x + self.o_proj(attn.reshape(t, self.q_size))
         gate, up = self.gate_up_proj(rms_norm(x, self.post_norm, self.eps)).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """In float32, rounded to x's dtype, times the weight (as the HF reference); on the CPU one compiled
-    kernel call (engine/cpu_kernels.py), elsewhere PyTorch's fused op."""
-    if x.device.type == "cpu" and x.dim() == 2 and x.dtype == weight.dtype and (kernel := rms_norm_kernel()):
-        return kernel(x.contiguous(), weight, eps)
-    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 class LlamaForCausalLM(nn.Module):

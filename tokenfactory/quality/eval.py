@@ -22,12 +22,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
-
 from tokenfactory.config import EngineConfig
-from tokenfactory.engine.attention import AttentionMetadata, PrefillSpan
 from tokenfactory.engine.engine import LLMEngine
-from tokenfactory.engine.quant import QuantOptions, QuantSummary, apply_quantization, decode_weight_bytes
+from tokenfactory.layers.quant import QuantOptions, QuantSummary, decode_weight_bytes
 from tokenfactory.models.loader import LoadedModel
 from tokenfactory.types import ParameterError, SamplingParams
 
@@ -89,40 +86,29 @@ class Comparison:
 def load_engine(loaded: LoadedModel, quantization: str, *, dtype: str = "auto", max_model_len: int = 1024,
                 max_num_seqs: int = GREEDY_MAX_NUM_SEQS, options: QuantOptions | None = None
                 ) -> tuple[LLMEngine, QuantSummary]:
-    """An engine over `loaded` with the scheme applied, with every source of quantized weights the loader
-    found (GGUF blocks, a `tokenfactory quantize` file) and the given options."""
+    """An engine over `loaded` built with the scheme (so its config describes its model), using every source
+    of quantized weights the loader found (GGUF blocks, a `tokenfactory quantize` file), and what it did."""
+    options = options or QuantOptions()
     config = EngineConfig(model=str(loaded.path), dtype=dtype, max_model_len=max_model_len,
-                          max_num_seqs=max_num_seqs, quantization="none")
+                          max_num_seqs=max_num_seqs, quantization=quantization, quantization_dense=options.dense)
     engine = LLMEngine(config, loaded)
-    summary = apply_quantization(engine.runner.model, quantization, raw_gguf=loaded.raw_gguf,
-                                 quantized=loaded.quantized, dtype=engine.dtype, device=engine.device,
-                                 options=options)
-    return engine, summary
+    return engine, engine.runner.quant_summary
 
 
-@torch.inference_mode()
 def perplexity(engine: LLMEngine, token_ids: list[list[int]], window: int = DEFAULT_WINDOW) -> tuple[float, int]:
     """(perplexity, tokens scored) over the documents, each cut into windows of `window` tokens.
 
-    Runs the model directly (the engine has no prompt log-probabilities): one prefill span per window,
-    written to KV slots 0..window-1, so nothing else may be running; the prefix cache is reset after."""
-    runner, device = engine.runner, engine.device
+    Each window is one `LLMEngine.score` call: the log-probability of each of its tokens after the first
+    given those before it, computed through the engine's normal step (a throwaway request)."""
     total_nll, num_scored = 0.0, 0
     for ids in token_ids:
         for start in range(0, len(ids) - 1, window):
-            chunk = torch.tensor(ids[start:start + window], device=device)  # (n,)
-            n = chunk.shape[0]
-            if n < 2:
+            chunk = ids[start:start + window]
+            if len(chunk) < 2:
                 continue
-            blocks = torch.arange(-(-n // engine.config.block_size), device=device)
-            meta = AttentionMetadata(slot_mapping=torch.arange(n, device=device), num_decode_tokens=0,
-                                     decode_block_tables=None, decode_seq_lens=None,
-                                     prefills=(PrefillSpan(0, n, 0, blocks),))
-            hidden = runner.model(chunk, torch.arange(n, device=device), runner.kv_caches, meta)  # (n, h)
-            logits = runner.model.compute_logits(hidden[:-1])  # (n - 1, V) float32
-            total_nll += torch.nn.functional.cross_entropy(logits, chunk[1:], reduction="sum").item()
-            num_scored += n - 1
-    engine.kv.reset_prefix_cache()
+            logprobs = engine.score(chunk)  # (len(chunk) - 1,) nats
+            total_nll -= math.fsum(logprobs)
+            num_scored += len(logprobs)
     if num_scored == 0:
         raise ValueError("the evaluation text is too short: it needs at least two tokens")
     return math.exp(total_nll / num_scored), num_scored

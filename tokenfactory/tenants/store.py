@@ -24,10 +24,9 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from tokenfactory.engine.fair import BANDS
 from tokenfactory.meter.ledger import Ledger, to_utc_naive, utc_now
 from tokenfactory.meter.schema import metadata
-from tokenfactory.types import ParameterError
+from tokenfactory.types import BANDS, ParameterError
 
 RESERVED_TENANTS = ("anonymous", "admin")  # auth off; an admin key without a tenant
 ADMIN_TENANT = "admin"

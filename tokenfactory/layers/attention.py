@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tokenfactory.engine.cpu_kernels import paged_decode_kernel
+from tokenfactory.layers.cpu_kernels import paged_decode_kernel
 
 
 @dataclass(frozen=True)

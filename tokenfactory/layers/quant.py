@@ -17,7 +17,7 @@ paths and picks one per call by the number of rows T in the step's flat batch:
 The packed kernels are GEMV-like: on the 2-core AVX-512 CPU, for the bundled model's 30 layers (1 thread),
 int4 costs ~4.5 ms at T = 1 and ~1.2 ms per further row, against bf16 GEMM's ~15 ms + 0.4 ms per row, so
 they win only for small T. Both paths compute the same logical weight (the packed one with scales rounded to bf16, see
-quant_formats.py). The crossovers in KERNELS are measured: `python -m tokenfactory.engine.bench_quant
+quant_formats.py). The crossovers in KERNELS are measured: `python -m tokenfactory.bench.quant
 --crossover`.
 
 (Past 400 lines on purpose: schemes, kernels with their measured crossover table, and the module that
@@ -33,11 +33,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenfactory.engine.quant_formats import (
+from tokenfactory.layers.quant_formats import (
     INT4_GROUP_SIZES,
     Int4Weight,
     Int8Weight,
     QuantizedWeight,
+    RawGGUFTensors,
     check_group_size,
     concat_rows,
     from_gguf_blocks,
@@ -45,7 +46,6 @@ from tokenfactory.engine.quant_formats import (
     quantize_int8,
     unpack_nibbles,
 )
-from tokenfactory.models.loader import RawGGUFTensors
 from tokenfactory.types import ParameterError
 
 # ---------------------------------------------------------------------------------------------------
@@ -275,7 +275,7 @@ def _has_kernel(op: str, device_type: str) -> bool:
 
 
 # Crossovers: the largest T at which the packed kernel beats the dense path. Measured by
-# `python -m tokenfactory.engine.bench_quant --crossover` (30 distinct copies of the bundled model's four layer
+# `python -m tokenfactory.bench.quant --crossover` (30 distinct copies of the bundled model's four layer
 # shapes, so weights stream from memory as in a real step) on the 2-core AMD EPYC (AVX-512 BF16), torch 2.13,
 # 1 thread (the machine was shared; 2-thread timings were scheduler noise). Milliseconds per 30-layer forward:
 #

@@ -1,6 +1,6 @@
 """Benchmark: bulk-insert a million ledger rows, then time single commits and the usage queries.
 
-    python -m tokenfactory.meter.bench_ledger --rows 1000000 --out results/bench-ledger.json
+    python -m tokenfactory.bench.ledger --rows 1000000 --out results/bench-ledger.json
 
 Fixed seed; rows spread over 90 days, 50 tenants and 6 models, 5 % without energy. Each query runs
 once to warm the page cache, then `--repeat` times; the JSON keeps the median and the max (seconds).

@@ -54,9 +54,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def quantize_main(args: argparse.Namespace) -> int:
-    from tokenfactory.engine.quant import get_scheme
-    from tokenfactory.engine.quant_file import save_quantized
+    from tokenfactory.layers.quant import get_scheme
     from tokenfactory.models.loader import load_model
+    from tokenfactory.models.quant_file import save_quantized
 
     get_scheme(args.quantization)  # a bad scheme fails before the model loads
     source, out = Path(args.input).expanduser(), Path(args.output).expanduser()
@@ -81,7 +81,7 @@ def default_baseline_dir() -> Path:
 
 
 def eval_main(args: argparse.Namespace) -> int:
-    from tokenfactory.engine.quant import QuantOptions, get_scheme
+    from tokenfactory.layers.quant import QuantOptions, get_scheme
     from tokenfactory.models.loader import load_model
     from tokenfactory.quality import eval as ev
     from tokenfactory.quality.texts import BUNDLED_TEXT, bundled_prompts, bundled_text, read_prompts, read_texts

@@ -30,8 +30,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tokenfactory.config import ModelConfig
-from tokenfactory.engine.quant import SCHEMES, get_scheme, source_weights
-from tokenfactory.engine.quant_formats import (
+from tokenfactory.layers.quant import SCHEMES, get_scheme, source_weights
+from tokenfactory.layers.quant_formats import (
     INT4_GROUP_SIZES,
     Int4Weight,
     Int8Weight,

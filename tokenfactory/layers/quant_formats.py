@@ -28,6 +28,10 @@ import torch
 INT4_GROUP_SIZES = (32, 64, 128)
 GGUF_BLOCK = 32  # elements per Q8_0 / Q4_0 / Q4_1 block
 
+# A GGUF file's quantized tensors as stored: HF name -> (ggml type name, raw block bytes (rows,
+# bytes_per_row) uint8, logical shape (out, in)). The GGUF loader fills it; `from_gguf_blocks` reads it.
+RawGGUFTensors = dict[str, tuple[str, np.ndarray, tuple[int, ...]]]
+
 
 @dataclass(frozen=True)
 class Int8Weight:

@@ -1,7 +1,7 @@
 """Quantization benchmark: bf16 vs int8 vs int4 (vs a GGUF's own blocks) on one model, JSON out.
 
-    python -m tokenfactory.engine.bench_quant                 single stream and 32 concurrent, per scheme
-    python -m tokenfactory.engine.bench_quant --crossover     per-layer kernel times by rows T (sets KERNELS)
+    python -m tokenfactory.bench.quant                 single stream and 32 concurrent, per scheme
+    python -m tokenfactory.bench.quant --crossover     per-layer kernel times by rows T (sets KERNELS)
 
 Per scheme: decode tokens/s of one stream (prefill excluded; from the median step, which a shared machine
 disturbs least, and from wall time), output tokens/s of `--concurrency` requests started together, weight
@@ -78,7 +78,7 @@ def concurrent(engine: Any, prompts: list[list[int]], output_len: int) -> dict[s
 
 
 def bench_scheme(loaded: Any, scheme: str, args: argparse.Namespace, text_ids: list[int] | None) -> dict[str, Any]:
-    from tokenfactory.engine.quant import QuantOptions, decode_weight_bytes
+    from tokenfactory.layers.quant import QuantOptions, decode_weight_bytes
     from tokenfactory.quality.eval import load_engine, perplexity
 
     engine, summary = load_engine(loaded, scheme, dtype=args.dtype, max_model_len=1024,
@@ -114,8 +114,8 @@ def crossover(args: argparse.Namespace) -> dict[str, Any]:
     from memory as in a real step, rather than sitting in cache) per path and row count; best of 7."""
     import torch
 
-    from tokenfactory.engine.quant import QuantizedLinear
-    from tokenfactory.engine.quant_formats import Int8Weight, quantize_int4, quantize_int8
+    from tokenfactory.layers.quant import QuantizedLinear
+    from tokenfactory.layers.quant_formats import Int8Weight, quantize_int4, quantize_int8
 
     torch.manual_seed(args.seed)
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30  # qkv, o, gate_up, down per layer
@@ -171,7 +171,7 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from tokenfactory.bench.offline import measure_peak_bandwidth_gbs
-    from tokenfactory.engine.quant import get_scheme
+    from tokenfactory.layers.quant import get_scheme
     from tokenfactory.models.loader import load_model
     from tokenfactory.quality.texts import bundled_text
 
