@@ -1,0 +1,150 @@
+"""Layers that point one way (docs/structure.md, "Layers"): every import in tokenfactory/, lazy ones inside
+functions included, goes to the importer's own layer or a lower one; the meter, tenants and planner
+import no torch; the engine never calls the meter. Fast: the source is parsed, no model is loaded."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "tokenfactory"
+
+# Lowest first. A module may import only modules of its own layer or of a lower one.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    # With the package's own __init__ (its __version__ and re-exported nouns; see PUBLIC_API).
+    ("shared nouns", ("tokenfactory.types", "tokenfactory.config", "tokenfactory")),
+    ("layers", ("tokenfactory.layers",)),
+    ("models", ("tokenfactory.models",)),
+    ("engine", ("tokenfactory.engine",)),
+    ("services", ("tokenfactory.meter", "tokenfactory.tenants", "tokenfactory.planner", "tokenfactory.quality",
+                  "tokenfactory.bench")),
+    ("gateway", ("tokenfactory.gateway",)),
+    ("cli", ("tokenfactory.cli",)),
+)
+
+# Permanent, by design: `tokenfactory.LLM`, the offline API, is re-exported by the package's __init__ through
+# a PEP 562 __getattr__, so the engine is imported only when someone asks for it.
+PUBLIC_API: frozenset[tuple[str, str]] = frozenset({("tokenfactory", "tokenfactory.engine.llm")})
+
+# Known links that break the order, each being removed; (importer, imported module). Keep this short, and
+# delete an entry the day its link goes (the test fails on an entry that no longer matches anything).
+ALLOWED: frozenset[tuple[str, str]] = frozenset()
+
+TORCH_FREE = ("tokenfactory.meter", "tokenfactory.tenants", "tokenfactory.planner")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer_of(module: str) -> int:
+    """Index in LAYERS of the longest prefix that names `module`'s package."""
+    best, best_len = -1, -1
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            # "tokenfactory" names the package's __init__ alone, so a new subpackage must be placed.
+            inside = module.startswith(prefix + ".") and prefix != "tokenfactory"
+            if (module == prefix or inside) and len(prefix) > best_len:
+                best, best_len = i, len(prefix)
+    if best < 0:
+        raise AssertionError(f"{module} is in no layer: add its package to LAYERS here and to docs/structure.md")
+    return best
+
+
+def imports_of(path: Path) -> list[tuple[int, str]]:
+    return imports_in(path.read_text(), module_name(path), is_package=path.name == "__init__.py")
+
+
+def imports_in(source: str, module: str, *, is_package: bool = False) -> list[tuple[int, str]]:
+    """(line, tokenfactory module) for every import in the source, at any depth (lazy imports count)."""
+    package = module.split(".") if is_package else module.split(".")[:-1]
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolved against the importing package
+                anchor = package[: len(package) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:  # `from pkg import sub` imports the submodule pkg.sub when there is one
+                sub = f"{base}.{alias.name}"
+                found.append((node.lineno, sub if is_module(sub) else base))
+    return [(line, name) for line, name in found if name == "tokenfactory" or name.startswith("tokenfactory.")]
+
+
+def is_module(name: str) -> bool:
+    path = ROOT / Path(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def all_imports() -> list[tuple[str, Path, int, str]]:
+    return [(module_name(path), path, line, imported)
+            for path in sorted(PACKAGE.rglob("*.py")) for line, imported in imports_of(path)]
+
+
+def test_every_import_points_down_the_layers() -> None:
+    names = [name for name, _ in LAYERS]
+    broken = []
+    for importer, path, line, imported in all_imports():
+        ours, theirs = layer_of(importer), layer_of(imported)
+        if theirs > ours and (importer, imported) not in ALLOWED | PUBLIC_API:
+            broken.append(f"{path.relative_to(ROOT)}:{line} imports {imported}: {names[ours]} (layer {ours}) may "
+                          f"import only {', '.join(names[:ours + 1])}, and {imported} is in {names[theirs]} "
+                          f"(layer {theirs})")
+    assert not broken, "imports that break the layer order (docs/structure.md, Layers):\n" + "\n".join(broken)
+
+
+def test_the_engine_never_calls_the_meter() -> None:
+    broken = [f"{path.relative_to(ROOT)}:{line} imports {imported}: the engine reports steps as StepStats and "
+              f"never calls power or metering code" for importer, path, line, imported in all_imports()
+              if importer.startswith("tokenfactory.engine") and imported.startswith("tokenfactory.meter")
+              and (importer, imported) not in ALLOWED]
+    assert not broken, "\n".join(broken)
+
+
+def test_allowed_exceptions_are_still_needed() -> None:
+    seen = {(importer, imported) for importer, _, _, imported in all_imports()}
+    stale = sorted(ALLOWED - seen)
+    assert not stale, f"ALLOWED lists links that no longer exist; remove them: {stale}"
+
+
+def test_the_check_sees_lazy_and_relative_imports() -> None:
+    source = "import os\n\ndef f():\n    from tokenfactory.engine import engine\n    from ..gateway import app\n"
+    found = imports_in(source, "tokenfactory.meter.x")
+    assert found == [(4, "tokenfactory.engine.engine"), (5, "tokenfactory.gateway.app")]
+    assert layer_of("tokenfactory.gateway.app") > layer_of("tokenfactory.meter.x")
+    assert layer_of("tokenfactory.layers.quant") < layer_of("tokenfactory.models.loader")
+    with pytest.raises(AssertionError, match="tokenfactory.elsewhere.x is in no layer"):
+        layer_of("tokenfactory.elsewhere.x")
+
+
+@pytest.mark.parametrize("package", TORCH_FREE)
+def test_package_imports_no_torch(package: str) -> None:
+    """Every module of the package imported in a fresh interpreter, then sys.modules inspected: torch must
+    not be there, and the first of our modules that pulled it in is named."""
+    code = f"""
+import importlib, json, pkgutil, sys
+pkg = importlib.import_module({package!r})
+for info in pkgutil.walk_packages(pkg.__path__, {package!r} + "."):
+    before = set(sys.modules)
+    importlib.import_module(info.name)
+    if "torch" in sys.modules:
+        print(json.dumps({{"culprit": info.name, "pulled": sorted(m for m in set(sys.modules) - before
+                                                           if m.startswith("tokenfactory"))}}))
+        sys.exit(0)
+print(json.dumps({{"culprit": None}}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["culprit"] is None, (f"importing {result['culprit']} imports torch (through "
+                                       f"{', '.join(result['pulled']) or 'a third-party package'}); "
+                                       f"{package} must stay torch-free")
