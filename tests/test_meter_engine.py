@@ -27,4 +27,5 @@ def test_engine_steps_are_metered_and_the_books_balance():
     books = (short.energy_joules + long.energy_joules + totals.idle_joules + totals.unattributed_joules
              + totals.unsettled_joules)
     assert books == pytest.approx(totals.energy_joules_by_source["constant"], rel=1e-9)
-    assert totals.num_output_tokens == 16 and totals.joules_per_output_token > 0
+    assert totals.num_output_tokens == 16
+    assert totals.joules_per_output_token == pytest.approx((short.energy_joules + long.energy_joules) / 16, rel=1e-9)
