@@ -25,8 +25,6 @@ from tokenfactory.quality.texts import (
 )
 from tokenfactory.types import ParameterError
 
-pytestmark = pytest.mark.usefixtures("engine_score")  # until LLMEngine.score lands
-
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory) -> Path:

@@ -10,14 +10,14 @@ from tokenfactory.layers.quant import QuantizedLinear, decode_weight_bytes
 from tokenfactory.quality import eval as ev
 from tokenfactory.quality.texts import bundled_prompts, bundled_text
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("engine_score")]  # until LLMEngine.score lands
+pytestmark = pytest.mark.slow
 
 WINDOW = 256
 NUM_WINDOWS = 3  # ~770 scored tokens: enough to separate the schemes, a few seconds each
 
 
 @pytest.fixture(scope="module")
-def runs(bundled, engine_score) -> dict[str, tuple[float, list[list[int]], int]]:
+def runs(bundled) -> dict[str, tuple[float, list[list[int]], int]]:
     """scheme -> (perplexity, greedy tokens for 8 prompts x 12 tokens, decode weight bytes)."""
     ids = bundled.tokenizer.encode(bundled_text())[: WINDOW * NUM_WINDOWS + 1]
     out = {}

@@ -10,6 +10,7 @@ import torch
 from tests.test_speculative import force_drafting
 from tokenfactory.bench.spec import workloads
 from tokenfactory.config import EngineConfig
+from tokenfactory.engine.async_engine import AsyncEngine
 from tokenfactory.engine.engine import LLMEngine
 from tokenfactory.gateway.metrics import EngineCollector
 from tokenfactory.types import SamplingParams
@@ -98,7 +99,7 @@ def test_metrics_collector_shows_the_decision(bundled, copy_prompts) -> None:
     engine = LLMEngine(EngineConfig(dtype="float32", kv_cache_memory=32 << 20, max_model_len=512,
                                     speculative="ngram"), bundled)
     run(engine, copy_prompts[:1], max_tokens=32)
-    families = {f.name: f for f in EngineCollector(engine, "m", lambda: 0).collect()}
+    families = {f.name: f for f in EngineCollector(AsyncEngine(engine), "m").collect()}  # the snapshot, not started
     for name in ("spec_decode_num_drafts", "spec_decode_num_accepted_tokens", "spec_decode_enabled",
                  "spec_decode_acceptance_rate", "spec_decode_break_even_batch", "spec_decode_time_saved_seconds",
                  "spec_decode_num_accepted_tokens_per_pos"):

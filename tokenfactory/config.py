@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Protocol
 
 from tokenfactory.types import ParameterError
 
@@ -118,3 +119,26 @@ class EngineConfig:
                                  f"kv_cache_memory as a fraction must be in (0, 1], got {mem}")
         if isinstance(mem, int) and mem <= 0:
             raise ParameterError("kv_cache_memory", f"kv_cache_memory in bytes must be > 0, got {mem}")
+
+
+class FlopShape(Protocol):
+    """What the FLOP weights need from a model (tokenfactory.config.ModelConfig has it)."""
+
+    @property
+    def num_params(self) -> int: ...
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def num_heads(self) -> int: ...
+
+    @property
+    def head_dim(self) -> int: ...
+
+
+def work_flops(shape: FlopShape, num_new_tokens: int, num_context_tokens: int) -> float:
+    """Forward FLOPs of n new tokens over c cached ones: 2·N·n + 4·L·d_attn·(n·c + n(n+1)/2)."""
+    n, c = num_new_tokens, num_context_tokens
+    d_attn = shape.num_heads * shape.head_dim
+    return 2.0 * shape.num_params * n + 4.0 * shape.num_layers * d_attn * (n * c + n * (n + 1) / 2)

@@ -1,10 +1,12 @@
-"""The engine in its own thread, and an asyncio face for the server.
+"""The engine in its own thread: the in-process `EngineClient` (client.py).
 
 The step loop runs in a dedicated thread so the HTTP event loop never waits on a forward pass and a
 slow client never stalls a step (PyTorch releases the GIL inside its kernels, so both make progress on
-a 2-core machine). The two sides talk only through typed messages: the event loop puts `AddRequest` /
-`AbortRequest` into the engine's inbox; the engine thread hands each `RequestOutput` back to the
-request's stream with `call_soon_threadsafe`.
+a 2-core machine). The two sides talk only through the client's typed messages: the event loop puts
+`AddRequest`, `AbortRequest`, `SetTenantWeight`, `ChargeEnergy` and `Shutdown` into the engine's inbox;
+the engine thread hands each `RequestOutput` back to the request's stream with `call_soon_threadsafe`
+and publishes an immutable `EngineStats` snapshot after its steps (at most every `STATS_INTERVAL_S`, and
+whenever it goes idle), which `stats()` returns without touching the engine.
 
 Back-pressure: a stream holds at most one pending output. When the reader has not taken the last one
 yet, the next is merged into it (the newest whole state, the deltas joined), so a client that reads
@@ -20,29 +22,31 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from tokenfactory.engine.client import (
+    AbortRequest,
+    AddRequest,
+    ChargeEnergy,
+    EngineDeadError,
+    EngineStats,
+    Message,
+    ModelInfo,
+    RequestError,
+    SetTenantWeight,
+    Shutdown,
+)
 from tokenfactory.engine.engine import LLMEngine
-from tokenfactory.types import RequestOutput, SamplingParams
+from tokenfactory.models.tokenizer import Tokenizer
+from tokenfactory.types import RequestOutput
 
 logger = logging.getLogger(__name__)
 
+STATS_INTERVAL_S = 0.05
 
-@dataclass(frozen=True)
-class AddRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    prompt: str | None
-    params: SamplingParams
-    arrival_time: float
-    tenant: str
-    priority: int
-
-
-@dataclass(frozen=True)
-class AbortRequest:
-    request_id: str
+__all__ = ["AbortRequest", "AddRequest", "AsyncEngine", "EngineDeadError", "OutputStream", "RequestError"]
 
 
 @dataclass(frozen=True)
@@ -52,14 +56,6 @@ class RequestFailed:
     request_id: str
     message: str
     fatal: bool = False
-
-
-class EngineDeadError(RuntimeError):
-    """The engine stopped: every request fails until a restart."""
-
-
-class RequestError(RuntimeError):
-    """The engine failed this request alone; it goes on serving the others."""
 
 
 def merge_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
@@ -104,39 +100,60 @@ class OutputStream:
 
 
 class AsyncEngine:
+    """The in-process EngineClient: an LLMEngine stepped by its own thread."""
+
     def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self.inbox: queue.SimpleQueue[AddRequest | AbortRequest | None] = queue.SimpleQueue()
+        self._engine = engine
+        self._info = engine.info
+        self.inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self.streams: dict[str, tuple[asyncio.AbstractEventLoop, OutputStream]] = {}
         # Each counter is written by one thread only, so their difference needs no lock.
         self.num_added = 0  # by the event loop
         self.num_taken = 0  # by the engine thread
-        self.dead_reason: str | None = None
+        self._dead_reason: str | None = None
         self.finish_listeners: list[Callable[[RequestOutput], None]] = []
-        self._stop = threading.Event()
+        self._stats = engine.stats()
+        self._stats_time = 0.0
         self._thread = threading.Thread(target=self._loop, name="tokenfactory-engine", daemon=True)
+
+    # -- the client's side (any thread) -------------------------------------------------------------------
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._engine.tokenizer  # immutable after load; the gateway tokenizes on its side
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self._dead_reason is None
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self._dead_reason
 
     def start(self) -> None:
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        self.inbox.put(None)
+        self.inbox.put(Shutdown())
         self._thread.join(timeout)
 
-    @property
-    def is_alive(self) -> bool:
-        return self._thread.is_alive() and self.dead_reason is None
+    def send(self, message: SetTenantWeight | ChargeEnergy | AbortRequest) -> None:
+        self.inbox.put(message)
 
-    @property
-    def num_waiting(self) -> int:
-        return self.engine.num_waiting + self.num_added - self.num_taken
+    def stats(self) -> EngineStats:
+        s = self._stats
+        waiting = s.num_waiting + self.num_added - self.num_taken  # requests still in the inbox count too
+        return dataclasses.replace(s, num_waiting=waiting, alive=self.is_alive, dead_reason=self._dead_reason)
 
     async def generate(self, request: AddRequest) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its outputs as steps produce them. Leaving the iterator early
         (the client went away, the task was cancelled) aborts the request and frees its blocks."""
         if not self.is_alive:
-            raise EngineDeadError(self.dead_reason or "the engine is not running")
+            raise EngineDeadError(self._dead_reason or "the engine is not running")
         stream = OutputStream()
         self.streams[request.request_id] = (asyncio.get_running_loop(), stream)
         self.num_added += 1
@@ -160,11 +177,11 @@ class AsyncEngine:
     # -- engine thread ----------------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        engine = self._engine
         try:
-            while not self._stop.is_set():
-                self._drain_inbox(block=not self.engine.has_unfinished_requests)
-                if self.engine.has_unfinished_requests:
-                    for out in self.engine.step():
+            while self._drain_inbox(block=not engine.has_unfinished_requests):
+                if engine.has_unfinished_requests:
+                    for out in engine.step():
                         if out.error is not None:
                             self._deliver(out.request_id, RequestFailed(out.request_id, out.error))
                             continue
@@ -172,48 +189,63 @@ class AsyncEngine:
                         if out.finished:
                             for listener in self.finish_listeners:
                                 listener(out)
+                self._publish_stats(force=not engine.has_unfinished_requests)
         except BaseException as e:  # the engine itself is broken: fail every open stream, never hang them
-            self.dead_reason = f"the engine stopped: {type(e).__name__}: {e}"
+            self._dead_reason = f"the engine stopped: {type(e).__name__}: {e}"
             logger.exception("engine loop crashed")
-            for request_id in list(self.streams):
-                self._deliver(request_id, RequestFailed(request_id, self.dead_reason, fatal=True))
+        self._publish_stats(force=True)
+        reason = self._dead_reason or "the engine was shut down"
+        for request_id in list(self.streams):
+            self._deliver(request_id, RequestFailed(request_id, reason, fatal=True))
 
-    def _drain_inbox(self, block: bool) -> None:
+    def _publish_stats(self, force: bool) -> None:
+        now = time.monotonic()
+        if force or now - self._stats_time >= STATS_INTERVAL_S:
+            self._stats, self._stats_time = self._engine.stats(), now
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Apply the waiting messages (waiting up to 0.5 s for one when `block`); False on Shutdown."""
         while True:
             try:
                 msg = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
             except queue.Empty:
-                return
+                return True
             block = False
-            if msg is None:
-                return
+            if isinstance(msg, Shutdown):
+                return False
             if isinstance(msg, AbortRequest):
-                self.engine.abort_request(msg.request_id)
-                continue
-            self.num_taken += 1
-            if msg.request_id not in self.streams:
-                continue  # the client left before the engine saw the request
-            try:
-                self.engine.add_request({"prompt_token_ids": msg.prompt_token_ids}, msg.params, msg.request_id,
-                                        arrival_time=msg.arrival_time, tenant=msg.tenant, priority=msg.priority)
-                state = self.engine.requests[msg.request_id]
-                state.prompt = msg.prompt
-            except ValueError as e:
-                self._deliver(msg.request_id, RequestFailed(msg.request_id, str(e)))
-            except Exception as e:  # noqa: BLE001 - a request that cannot be added fails alone
-                logger.exception("request %s could not be added", msg.request_id)
-                self.engine.abort_request(msg.request_id)
-                self._deliver(msg.request_id, RequestFailed(msg.request_id, f"the engine could not take this "
-                                                            f"request: {type(e).__name__}: {e}"))
+                self._engine.abort_request(msg.request_id)
+            elif isinstance(msg, SetTenantWeight):
+                self._engine.set_tenant_weight(msg.tenant, msg.weight)
+            elif isinstance(msg, ChargeEnergy):
+                self._engine.charge_energy(dict(msg.request_id_to_joules))
+            else:
+                self._add(msg)
+
+    def _add(self, msg: AddRequest) -> None:
+        self.num_taken += 1
+        if msg.request_id not in self.streams:
+            return  # the client left before the engine saw the request
+        try:
+            self._engine.add_request({"prompt_token_ids": msg.prompt_token_ids}, msg.params, msg.request_id,
+                                     arrival_time=msg.arrival_time, tenant=msg.tenant, priority=msg.priority,
+                                     prompt_text=msg.prompt)
+        except ValueError as e:
+            self._deliver(msg.request_id, RequestFailed(msg.request_id, str(e)))
+        except Exception as e:  # noqa: BLE001 - a request that cannot be added fails alone
+            logger.exception("request %s could not be added", msg.request_id)
+            self._engine.abort_request(msg.request_id)
+            self._deliver(msg.request_id, RequestFailed(msg.request_id, f"the engine could not take this "
+                                                        f"request: {type(e).__name__}: {e}"))
 
     def _deliver(self, request_id: str, item: RequestOutput | RequestFailed) -> None:
         target = self.streams.get(request_id)
         if target is None:
             if isinstance(item, RequestOutput) and not item.finished:
-                self.engine.abort_request(request_id)  # nobody is listening any more
+                self._engine.abort_request(request_id)  # nobody is listening any more
             return
         loop, stream = target
         try:
             loop.call_soon_threadsafe(stream.put, item)
         except RuntimeError:  # the event loop is closed
-            self.engine.abort_request(request_id)
+            self._engine.abort_request(request_id)

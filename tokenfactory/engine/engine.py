@@ -19,14 +19,16 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenfactory.config import EngineConfig
+from tokenfactory.engine.client import EngineStats, ModelInfo
 from tokenfactory.engine.faults import EngineFault, FaultIsolator, is_device_error
 from tokenfactory.engine.kv_cache import BlockManager
 from tokenfactory.engine.memory import KVCapacity, plan_kv_cache, resolve_device, resolve_dtype
 from tokenfactory.engine.model_runner import ModelRunner
 from tokenfactory.engine.sampler import SampledToken, Sampler
-from tokenfactory.engine.scheduler import POLICIES, Scheduler, SchedulerOutput
+from tokenfactory.engine.scheduler import POLICIES, Scheduler, SchedulerOutput, make_policy
 from tokenfactory.engine.sequence import Sequence
-from tokenfactory.engine.speculative import NoSpeculation, build_speculator
+from tokenfactory.engine.speculative import NoSpeculation, SpecHost, build_speculator
+from tokenfactory.layers.quant import QuantOptions
 from tokenfactory.models.loader import LoadedModel, load_model
 from tokenfactory.models.tokenizer import Tokenizer
 from tokenfactory.types import (
@@ -70,7 +72,9 @@ class RequestState:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+                 step_listeners: Seq[Callable[[StepStats], None]] = ()) -> None:
+        """`step_listeners`: called with each step's StepStats on the engine's thread (the meter's on_step)."""
         self.config = config
         loaded = loaded if loaded is not None else load_model(config.model)
         self.model_config = loaded.config
@@ -86,7 +90,7 @@ class LLMEngine:
             raise ParameterError("scheduling_policy", f"scheduling_policy must be one of {sorted(POLICIES)}, "
                                  f"got {config.scheduling_policy!r}")
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, POLICIES[config.scheduling_policy](),
+                                   self.max_model_len, make_policy(config.scheduling_policy, loaded.config),
                                    eos_token_ids=self.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
         self.runner = ModelRunner(loaded.config, loaded.weights, device=self.device, dtype=self.dtype,
@@ -94,12 +98,16 @@ class LLMEngine:
                                   max_model_len=self.max_model_len, sampler=self.sampler,
                                   quantization=config.quantization, raw_gguf=loaded.raw_gguf,
                                   quantized=loaded.quantized,
+                                  quant_options=QuantOptions(dense=config.quantization_dense),
                                   single_thread_step_tokens=config.single_thread_step_tokens)
-        self.speculator = build_speculator(config, loaded, self)
+        self.speculator = build_speculator(SpecHost(
+            config, loaded.config, self.tokenizer, self.eos_token_ids, self.capacity, self.device, self.dtype,
+            self.max_model_len, self.runner, self.kv), loaded)
         self.faults = FaultIsolator()
         self._probing = False
         self.requests: dict[str, RequestState] = {}
-        self.step_listeners: list[Callable[[StepStats], None]] = []
+        self.step_listeners: list[Callable[[StepStats], None]] = list(step_listeners)
+        self._muted = False  # warm-up and probe steps are the engine's own: no listener hears them
         self.recent_steps: deque[StepStats] = deque(maxlen=1024)
         self.num_steps = 0
         self.num_prompt_tokens_total = 0
@@ -124,12 +132,15 @@ class LLMEngine:
         return None, ids
 
     def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
-                    arrival_time: float | None = None, tenant: str = "anonymous", priority: int = 0) -> str:
-        """Validate and queue a request. Raises ParameterError (a ValueError) before allocating anything."""
+                    arrival_time: float | None = None, tenant: str = "anonymous", priority: int = 0,
+                    prompt_text: str | None = None) -> str:
+        """Validate and queue a request. Raises ParameterError (a ValueError) before allocating anything.
+        `prompt_text`: the text of a prompt given as token ids (what `echo` shows), if the caller has it."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ParameterError("request_id", f"request id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
+        text = text if text is not None else prompt_text
         self.check_prompt_length(len(ids))
         self.check_params(params)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
@@ -146,9 +157,58 @@ class LLMEngine:
 
     def check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: values that depend on this model."""
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise ParameterError("stop_token_ids", f"stop_token_ids must be token ids of this model, in [0, {vocab})")
+        self.info.check_params(params)
+
+    @property
+    def info(self) -> ModelInfo:
+        return ModelInfo(self.model_path, self.max_model_len, self.model_config.vocab_size, self.model_config,
+                         device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
+                         eos_token_ids=tuple(sorted(self.eos_token_ids)))
+
+    def set_tenant_weight(self, tenant: str, weight: float) -> None:
+        """The fair-share weight of the tenant's future service (policies without weights ignore it)."""
+        set_weight = getattr(self.scheduler.waiting, "set_weight", None)
+        if set_weight is not None:
+            try:
+                set_weight(tenant, weight)
+            except ValueError:  # checked where weights enter (the tenant table); never stop the engine on one
+                logger.warning("ignored fair-share weight %r for tenant %s", weight, tenant)
+
+    def charge_energy(self, request_id_to_joules: dict[str, float]) -> None:
+        """Joules the meter attributed to requests: a joule-counting policy charges their tenants."""
+        charge = getattr(self.scheduler.waiting, "charge_energy", None)
+        if charge is not None:
+            charge(request_id_to_joules)
+
+    def stats(self, num_not_yet_added: int = 0) -> EngineStats:
+        """An immutable snapshot of the engine now (built on the engine's thread, read anywhere)."""
+        last = self.recent_steps[-1] if self.recent_steps else None
+        return EngineStats(
+            time=time.monotonic(), num_steps=self.num_steps, num_running=self.num_running,
+            num_waiting=self.num_waiting + num_not_yet_added, num_kv_blocks=self.kv.num_blocks,
+            num_free_kv_blocks=self.kv.num_free_blocks, num_prompt_tokens_total=self.num_prompt_tokens_total,
+            num_generation_tokens_total=self.num_generation_tokens_total,
+            num_prefix_queries=self.kv.num_prefix_queries, num_prefix_hits=self.kv.num_prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions, num_failed_requests=self.faults.num_blamed,
+            last_step_s=last.duration_s if last is not None else None,
+            last_step_tokens=last.num_batched_tokens if last is not None else 0,
+            max_num_seqs=self.config.max_num_seqs, max_num_batched_tokens=self.config.max_num_batched_tokens,
+            speculative=self.speculator.metrics())
+
+    def score(self, prompt_token_ids: list[int]) -> list[float]:
+        """Per-token log-probabilities of the prompt's tokens 1..n-1 given their prefix (perplexity, the
+        quality gate), through the normal runner in KV blocks taken from the pool and given back."""
+        if not 2 <= len(prompt_token_ids) <= self.max_model_len:
+            raise ParameterError("prompt", f"scoring needs 2 to {self.max_model_len} tokens, got "
+                                 f"{len(prompt_token_ids)}")
+        self.tokenize_prompt(prompt_token_ids)  # ids in the vocabulary
+        seq_id = f"score-{next(self._ids)}"
+        if not self.kv.allocate(seq_id, len(prompt_token_ids)):
+            raise RuntimeError("no free KV blocks to score this text: let running requests finish first")
+        try:
+            return self.runner.score(prompt_token_ids, self.kv.seq_to_block_ids[seq_id])
+        finally:
+            self.kv.free(seq_id)
 
     def check_prompt_length(self, num_prompt_tokens: int) -> None:
         if num_prompt_tokens == 0:
@@ -245,7 +305,7 @@ class LLMEngine:
     def _probe(self) -> bool:
         """Run a known-good request alone: does the device still work?"""
         probe_id = "tokenfactory-probe"
-        saved, self.faults.suspects, self._probing = self.faults.suspects, [probe_id], True
+        saved, self.faults.suspects, self._probing, self._muted = self.faults.suspects, [probe_id], True, True
         try:
             self.add_request([self.tokenizer.bos_token_id or 0] * 4, SamplingParams(max_tokens=1, ignore_eos=True,
                              temperature=0.0), probe_id)
@@ -256,7 +316,7 @@ class LLMEngine:
             return False
         finally:
             self.abort_request(probe_id)
-            self.faults.suspects, self._probing = saved, False
+            self.faults.suspects, self._probing, self._muted = saved, False, False
 
     def fail_request(self, request_id: str, message: str) -> RequestOutput | None:
         """End a request with an error (its blocks freed now); returns its last output, carrying `error`."""
@@ -394,8 +454,9 @@ class LLMEngine:
                        for c in sched.chunks))
         self.num_steps += 1
         self.recent_steps.append(stats)
-        for listener in self.step_listeners:
-            listener(stats)
+        if not self._muted:
+            for listener in self.step_listeners:
+                listener(stats)
 
     # -- conveniences --------------------------------------------------------------------------------------
 
@@ -413,4 +474,8 @@ class LLMEngine:
     def warmup(self) -> None:
         """One short request through the whole path, so the first user does not pay for lazy set-up."""
         rid = self.add_request([self.tokenizer.bos_token_id or 0] * 4, SamplingParams(max_tokens=2, ignore_eos=True))
-        self.run_to_completion([rid])
+        self._muted = True
+        try:
+            self.run_to_completion([rid])
+        finally:
+            self._muted = False

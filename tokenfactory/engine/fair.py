@@ -20,34 +20,32 @@ Order of admission (the `SchedulingPolicy` seam of scheduler.py):
    in its band sends a request, c_t ← max(c_t, min c_v over the band's active tenants), so a tenant
    that was idle for an hour does not then monopolise the engine for an hour.
 
-`vtc-joules` counts service in measured joules instead: each step's energy, read from a power
-source after the step (the meter's own source), split across the step's tenants in proportion to
-their forward FLOPs — the same split the meter uses for per-request energy (attribution.py):
+`vtc-joules` counts service in measured joules instead. The engine never reads a power source: the
+meter measures each step's energy and splits it across the step's requests by forward FLOPs
+(attribution.py), and sends those joules back through the engine client (`ChargeEnergy`), which this
+policy charges to the requests' tenants:
 
-       service of tenant t in a step = ΔE_step · F_t / Σ F                             [J]
+       service of tenant t = Σ over its requests of the joules the meter attributed       [J]
 
-Before a source is attached (`attach_energy`) or while it cannot measure, a step's FLOPs stand in
-for its joules at a fixed 1 nJ/FLOP (the order of a CPU), so the order stays sensible.
+Until the first such message (no meter attached, or its source cannot measure), a chunk's FLOPs stand in
+for its joules at a fixed 1 nJ/FLOP (the order of a CPU), charged when it is scheduled, so the order
+stays sensible; from the first message on, only measured joules are charged.
 
-Weights are set by the gateway (`set_weight`) from the tenant table; an unknown tenant weighs 1.
-`set_weight` is called from the server's thread while the engine thread reads: a single dict
-store, which is atomic in CPython; a new weight applies to service charged after it.
+Weights come from the tenant table through the engine client (`SetTenantWeight`), applied on the
+engine's thread between steps; an unknown tenant weighs 1; a new weight applies to service charged after it.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from tokenfactory.config import FlopShape, work_flops
 from tokenfactory.engine.sequence import Sequence, SequenceStatus
-from tokenfactory.meter.attribution import FlopShape, work_flops
-from tokenfactory.meter.power import EnergyReading, PowerSource
-from tokenfactory.types import ParameterError, StepStats
+from tokenfactory.types import BANDS, ParameterError
 
-# Sequence.priority of each band; lower is admitted first.
-BANDS: dict[str, int] = {"interactive": 0, "standard": 1, "batch": 2}
 JOULES_PER_FLOP_FALLBACK = 1e-9  # J/FLOP while no energy is measured (order of a CPU core)
 
 
@@ -203,19 +201,15 @@ class FairPolicy:
 
 
 class JoulesFairPolicy(FairPolicy):
-    """VTC counted in measured joules: each step's energy split across tenants by forward FLOPs."""
+    """VTC counted in the joules the meter measured (ChargeEnergy), FLOPs standing in until it does."""
 
-    def __init__(self, config: VTCConfig | None = None) -> None:
+    MAX_REMEMBERED_REQUESTS = 65_536  # energy may arrive after a request finished: whose it was
+
+    def __init__(self, config: VTCConfig | None = None, shape: FlopShape | None = None) -> None:
         super().__init__(config)
-        self.shape: FlopShape | None = None
-        self.source: PowerSource | None = None
-        self.last_reading: EnergyReading | None = None
-        self.tenant_to_step_flops: dict[str, float] = {}
-
-    def attach_energy(self, shape: FlopShape, source: PowerSource | None) -> None:
-        """Count in joules read from `source` (None: FLOPs at the fallback rate)."""
-        self.shape, self.source = shape, source
-        self.last_reading = source.read() if source is not None else None
+        self.shape = shape
+        self.measured = False  # a meter has charged measured joules at least once
+        self.request_to_tenant: OrderedDict[str, str] = OrderedDict()
 
     def estimate(self, seq: Sequence) -> float:
         if self.shape is None:
@@ -225,35 +219,21 @@ class JoulesFairPolicy(FairPolicy):
 
     def on_service(self, seq: Sequence, num_prompt_tokens: int, num_output_tokens: int,
                    num_new_tokens: int) -> None:
+        self.request_to_tenant[seq.request_id] = seq.tenant
+        self.request_to_tenant.move_to_end(seq.request_id)
+        while len(self.request_to_tenant) > self.MAX_REMEMBERED_REQUESTS:
+            self.request_to_tenant.popitem(last=False)
+        if self.measured:
+            return
         if self.shape is None:
             return super().on_service(seq, num_prompt_tokens, num_output_tokens, num_new_tokens)
-        flops = work_flops(self.shape, num_new_tokens, seq.num_computed_tokens)
-        self.tenant_to_step_flops[seq.tenant] = self.tenant_to_step_flops.get(seq.tenant, 0.0) + flops
+        self.charge(seq.tenant, work_flops(self.shape, num_new_tokens, seq.num_computed_tokens)
+                    * JOULES_PER_FLOP_FALLBACK)
 
-    def on_step(self, stats: StepStats) -> None:
-        """A step listener (engine.step_listeners): charge the step's measured joules."""
-        step_flops, self.tenant_to_step_flops = self.tenant_to_step_flops, {}
-        total = sum(step_flops.values())
-        if total <= 0:
-            return
-        joules = total * JOULES_PER_FLOP_FALLBACK
-        reading = self.source.read() if self.source is not None else None
-        if reading is not None and self.last_reading is not None:
-            elapsed = reading.timestamp - self.last_reading.timestamp
-            delta = reading.joules - self.last_reading.joules
-            # The window since the last reading may include idle time: keep the step's share of it.
-            joules = delta * min(1.0, stats.duration_s / elapsed) if elapsed > 0 else joules
-        self.last_reading = reading if reading is not None else self.last_reading
-        for tenant, flops in step_flops.items():
-            self.charge(tenant, joules * flops / total)
-
-
-def attach_energy(engine: object, source: PowerSource | None) -> bool:
-    """If the engine's policy counts joules, feed it `source` and its step listener. Returns whether
-    it did. `engine` is an LLMEngine (typed loosely: this module must not import the engine)."""
-    policy = engine.scheduler.waiting  # type: ignore[attr-defined]
-    if not isinstance(policy, JoulesFairPolicy):
-        return False
-    policy.attach_energy(engine.model_config, source)  # type: ignore[attr-defined]
-    engine.step_listeners.append(policy.on_step)  # type: ignore[attr-defined]
-    return True
+    def charge_energy(self, request_id_to_joules: dict[str, float]) -> None:
+        """Measured joules per request (the meter's attribution of one settlement)."""
+        self.measured = True
+        for request_id, joules in request_id_to_joules.items():
+            tenant = self.request_to_tenant.get(request_id)
+            if tenant is not None:
+                self.charge(tenant, joules)

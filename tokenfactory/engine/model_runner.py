@@ -188,6 +188,21 @@ class ModelRunner:
         return results
 
     @torch.inference_mode()
+    def score(self, token_ids: list[int], block_ids: list[int]) -> list[float]:
+        """Log-probability of each token after the first given those before it: one prefill span written
+        into the given KV blocks (the caller allocated them, and frees them)."""
+        n, bs = len(token_ids), self.block_size
+        blocks = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        positions = torch.arange(n, device=self.device)
+        slots = blocks[positions // bs] * bs + positions % bs
+        meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=0, decode_block_tables=None,
+                                 decode_seq_lens=None, prefills=(PrefillSpan(0, n, 0, blocks),))
+        ids = torch.tensor(token_ids, device=self.device)
+        hidden = self.model(ids, positions, self.kv_caches, meta)  # (n, h)
+        logprobs = self.model.compute_logits(hidden[:-1]).float().log_softmax(-1)  # (n - 1, V)
+        return logprobs.gather(1, ids[1:, None])[:, 0].tolist()
+
+    @torch.inference_mode()
     def logits(self, inputs: ModelInputs) -> torch.Tensor:
         """Run the step and return the logits (S, V) of its sampling rows without sampling (draft models)."""
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)  # (T, h)

@@ -19,6 +19,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from tokenfactory.config import FlopShape
 from tokenfactory.engine.fair import FairPolicy, JoulesFairPolicy
 from tokenfactory.engine.kv_cache import BlockManager, PrefixHit
 from tokenfactory.engine.sequence import Draft, Sequence, SequenceStatus
@@ -65,6 +66,12 @@ class FCFSPolicy:
 
 
 POLICIES: dict[str, type] = {"fcfs": FCFSPolicy, "vtc": FairPolicy, "vtc-joules": JoulesFairPolicy}  # fair.py
+
+
+def make_policy(name: str, shape: FlopShape) -> SchedulingPolicy:
+    """The named policy, given what it needs at construction (the joules policy: the model's FLOP shape)."""
+    cls = POLICIES[name]
+    return cls(shape=shape) if cls is JoulesFairPolicy else cls()
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ prefix; sampled: rejection sampling, sampler.py). Rejected tokens' KV slots are 
     ngram         prompt lookup (Saxena 2023; vLLM's `ngram`): the longest suffix n-gram (n = 4..2) seen
                   earlier in the prompt or output proposes the tokens that followed it; no model
     draft:PATH    a smaller model with the same tokenizer, its own KV cache
-    self-int4     the target's own weights quantized to int4 (engine/quant.py), its own KV cache
+    self-int4     the target's own weights quantized to int4 (layers/quant.py), its own KV cache
 
 When to draft is a decision from measurements: each step, the drafts that maximise expected tokens per
 second. With per-token acceptance a_r for request r (Leviathan et al. 2023, eq. 1 assumes i.i.d.
@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from tokenfactory.engine.client import SpeculativeMetrics
 from tokenfactory.engine.kv_cache import BlockManager
 from tokenfactory.engine.sampler import SampledToken, Sampler, draw
 from tokenfactory.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -49,10 +50,11 @@ from tokenfactory.engine.sequence import Draft, Sequence
 from tokenfactory.types import ParameterError, SamplingParams, StepStats
 
 if TYPE_CHECKING:
-    from tokenfactory.config import EngineConfig
-    from tokenfactory.engine.engine import LLMEngine
+    from tokenfactory.config import EngineConfig, ModelConfig
+    from tokenfactory.engine.memory import KVCapacity
     from tokenfactory.engine.model_runner import ModelRunner
     from tokenfactory.models.loader import LoadedModel
+    from tokenfactory.models.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -318,30 +320,6 @@ class _RequestEvidence:
     num_accepted: float = 0.0  # decayed counts of accepted draft tokens and of rejections
     num_rejected: float = 0.0
     num_skipped: int = 0  # steps without a draft since the evidence was last decayed
-
-
-@dataclass(frozen=True)
-class SpeculativeMetrics:
-    """What /metrics shows: the counters, the current decision and its evidence."""
-
-    method: str
-    num_speculative_tokens: int
-    num_drafts: int
-    num_draft_tokens: int
-    num_accepted_tokens: int
-    num_emitted_tokens: int
-    accepted_by_position: tuple[int, ...]
-    drafted_by_position: tuple[int, ...]
-    time_saved_s: float
-    enabled: bool
-    acceptance_rate: float
-    break_even_acceptance: float  # at the current batch size
-    break_even_batch: int  # largest batch at which drafting pays at the method's acceptance (0: none)
-    batch_size: int
-    step_base_s: float  # cost model at the current batch B: T(B), a plain decode step (seconds)
-    step_per_token_s: float  # (T(B (1 + k)) - T(B)) / (B k): a draft row's verification (seconds)
-    draft_per_token_s: float  # the proposer's seconds per draft token
-    num_decision_changes: int
 
 
 # -- the speculator -----------------------------------------------------------------------------------
@@ -742,23 +720,39 @@ def calibrate_verify(runner: ModelRunner, kv: BlockManager, k: int, max_model_le
     return max(span, 0.0), per_row
 
 
-def _draft_model_proposer(name: str, engine: LLMEngine, draft: LoadedModel, quantization: str
+@dataclass(frozen=True)
+class SpecHost:
+    """What building a speculator needs of the engine being built: passed in, never a half-built engine."""
+
+    config: EngineConfig
+    model_config: ModelConfig
+    tokenizer: Tokenizer
+    eos_token_ids: frozenset[int]
+    capacity: KVCapacity
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    runner: ModelRunner
+    kv: BlockManager
+
+
+def _draft_model_proposer(name: str, host: SpecHost, draft: LoadedModel, quantization: str
                           ) -> tuple[DraftModelProposer, Callable[[int], float]]:
     from tokenfactory.engine.model_runner import ModelRunner
 
-    target = engine.model_config
-    if draft.config.vocab_size != target.vocab_size or draft.tokenizer.vocab_size != engine.tokenizer.vocab_size:
+    target = host.model_config
+    if draft.config.vocab_size != target.vocab_size or draft.tokenizer.vocab_size != host.tokenizer.vocab_size:
         raise ParameterError("speculative", f"the draft model {draft.path} has a vocabulary of "
                              f"{draft.config.vocab_size} (tokenizer {draft.tokenizer.vocab_size}) but the "
-                             f"target's is {target.vocab_size} ({engine.tokenizer.vocab_size}): they must "
+                             f"target's is {target.vocab_size} ({host.tokenizer.vocab_size}): they must "
                              f"share one tokenizer")
-    sampler = Sampler(engine.eos_token_ids, seed=engine.config.seed + 1)
-    kv = BlockManager(engine.capacity.num_blocks, engine.config.block_size, enable_prefix_caching=False)
-    runner = ModelRunner(draft.config, draft.weights, device=engine.device, dtype=engine.dtype,
-                         num_blocks=engine.capacity.num_blocks, block_size=engine.config.block_size,
-                         max_model_len=engine.max_model_len, sampler=sampler, quantization=quantization,
+    sampler = Sampler(host.eos_token_ids, seed=host.config.seed + 1)
+    kv = BlockManager(host.capacity.num_blocks, host.config.block_size, enable_prefix_caching=False)
+    runner = ModelRunner(draft.config, draft.weights, device=host.device, dtype=host.dtype,
+                         num_blocks=host.capacity.num_blocks, block_size=host.config.block_size,
+                         max_model_len=host.max_model_len, sampler=sampler, quantization=quantization,
                          raw_gguf=draft.raw_gguf)
-    ctx = calibration_context(kv, 0, engine.max_model_len)
+    ctx = calibration_context(kv, 0, host.max_model_len)
     time_step(runner, kv, 1, 0, ctx, repeats=1)
     d1, d4 = time_step(runner, kv, 1, 0, ctx), time_step(runner, kv, 4, 0, ctx)
     slope = max((d4 - d1) / 3, 0.0)
@@ -772,21 +766,21 @@ def _draft_model_proposer(name: str, engine: LLMEngine, draft: LoadedModel, quan
 Built = tuple[Proposer, Callable[[int], float]]  # a proposer and its modelled seconds per draft token at batch B
 
 
-def _ngram(engine: LLMEngine, target: LoadedModel, arg: str | None, cost: StepCost, k: int) -> Built:
+def _ngram(host: SpecHost, target: LoadedModel, arg: str | None, cost: StepCost, k: int) -> Built:
     return NgramProposer(), lambda b: 2e-5  # a dict lookup per sequence; refined by the measured scale
 
 
-def _draft(engine: LLMEngine, target: LoadedModel, arg: str | None, cost: StepCost, k: int) -> Built:
+def _draft(host: SpecHost, target: LoadedModel, arg: str | None, cost: StepCost, k: int) -> Built:
     from tokenfactory.models.loader import load_model
 
     if not arg:
         raise ParameterError("speculative", "speculative 'draft:PATH' needs the draft model's path after 'draft:'")
-    return _draft_model_proposer(f"draft:{arg}", engine, load_model(arg), "none")
+    return _draft_model_proposer(f"draft:{arg}", host, load_model(arg), "none")
 
 
 def int4_bytes_ratio(model: torch.nn.Module) -> float:
     """Bytes an int4 (group 32) copy of the model reads per decode token / what the model reads now."""
-    from tokenfactory.engine.quant import QuantizedLinear, decode_weight_bytes
+    from tokenfactory.layers.quant import QuantizedLinear, decode_weight_bytes
 
     int4 = sum(0.625 * m.in_features * m.out_features  # 4-bit codes + a bf16 scale and zero per 32
                for m in model.modules() if isinstance(m, torch.nn.Linear | QuantizedLinear))
@@ -794,26 +788,27 @@ def int4_bytes_ratio(model: torch.nn.Module) -> float:
     return int4 / max(decode_weight_bytes(model), 1)
 
 
-def _self_int4(engine: LLMEngine, target: LoadedModel, arg: str | None, cost: StepCost, k: int) -> Built:
+def _self_int4(host: SpecHost, target: LoadedModel, arg: str | None, cost: StepCost, k: int) -> Built:
     # Decode is bound by the bytes it reads: an int4 copy of a target that is int4 already (a Q4 GGUF under
     # `auto`) decodes as slowly as the target. If drafts that were always accepted could not pay at that
     # speed (k drafts: (1 + k) tokens for T(1 + k) + k d vs 1 token for T(1)), do not build it at all.
-    ratio = int4_bytes_ratio(engine.runner.model)
+    ratio = int4_bytes_ratio(host.runner.model)
     d = ratio * cost.predict(1)
     if (1 + k) * cost.predict(1) <= cost.predict(1 + k) + k * d:
         return _RetiredProposer("self-int4", f"an int4 copy reads {ratio:.2f}x the target's bytes per token, "
                                 f"so a draft token would cost ~{d * 1e3:.2f} ms against a "
                                 f"{cost.predict(1) * 1e3:.2f} ms target step"), lambda b: ratio * cost.predict(b) / b
-    return _draft_model_proposer("self-int4", engine, target, "int4")
+    return _draft_model_proposer("self-int4", host, target, "int4")
 
 
-METHODS: dict[str, Callable[[LLMEngine, LoadedModel, str | None, StepCost, int], Built]] = {
+METHODS: dict[str, Callable[[SpecHost, LoadedModel, str | None, StepCost, int], Built]] = {
     "ngram": _ngram, "draft": _draft, "self-int4": _self_int4,
 }
 
 
-def build_speculator(config: EngineConfig, target: LoadedModel, engine: LLMEngine) -> Speculator | NoSpeculation:
+def build_speculator(host: SpecHost, target: LoadedModel) -> Speculator | NoSpeculation:
     """The configured method, calibrated on this machine; logs the decision and its evidence."""
+    config = host.config
     if config.speculative == "none":
         return NoSpeculation()
     name, _, arg = config.speculative.partition(":")
@@ -821,13 +816,13 @@ def build_speculator(config: EngineConfig, target: LoadedModel, engine: LLMEngin
         raise ParameterError("speculative", f"speculative must be none, ngram, draft:PATH or self-int4, "
                              f"got {config.speculative!r}")
     k = config.num_speculative_tokens
-    points = calibrate_target(engine.runner, engine.kv, k, engine.max_model_len,
+    points = calibrate_target(host.runner, host.kv, k, host.max_model_len,
                               min(config.max_num_batched_tokens, config.max_num_seqs * (1 + k)))
-    cost = StepCost(points, context=calibration_context(engine.kv, k, engine.max_model_len),
-                    s_per_context_token=calibrate_context(engine.runner, engine.kv, k, engine.max_model_len))
-    proposer, draft_cost = METHODS[name](engine, target, arg or None, cost, k)
-    verify = calibrate_verify(engine.runner, engine.kv, k, engine.max_model_len, cost)
-    spec = Speculator(config.speculative, proposer, k, engine.max_model_len, config.max_num_seqs, cost, draft_cost,
+    cost = StepCost(points, context=calibration_context(host.kv, k, host.max_model_len),
+                    s_per_context_token=calibrate_context(host.runner, host.kv, k, host.max_model_len))
+    proposer, draft_cost = METHODS[name](host, target, arg or None, cost, k)
+    verify = calibrate_verify(host.runner, host.kv, k, host.max_model_len, cost)
+    spec = Speculator(config.speculative, proposer, k, host.max_model_len, config.max_num_seqs, cost, draft_cost,
                       verify)
     if isinstance(proposer, _RetiredProposer):
         logger.warning("speculative %s is off for good and its draft was never built: %s", config.speculative,

@@ -49,15 +49,18 @@ from tokenfactory.types import ParameterError
 
 class Tenancy:
     def __init__(self, store: TenantStore | None, admission: Admission | None = None,
-                 policy: object | None = None, executor: StoreExecutor | None = None) -> None:
-        """`store` None: auth off (everyone is "anonymous", standard priority, no limits). `policy`: the
-        engine's waiting-queue policy; tenant weights are handed to it if it takes them (set_weight)."""
+                 set_weight: Callable[[str, float], None] | None = None,
+                 executor: StoreExecutor | None = None) -> None:
+        """`store` None: auth off (everyone is "anonymous", standard priority, no limits). `set_weight`: how a
+        tenant's fair-share weight reaches the engine (a SetTenantWeight message through its client); sent
+        when a tenant's weight is first seen or changes."""
         self.store = store
         self.admission = admission if admission is not None else Admission()
         self.executor = executor if executor is not None else StoreExecutor()
         # The budget's spent-so-far is read in the auth thread, so that admit() never reads the ledger.
         self.authenticator = KeyAuthenticator(store, self.admission.prime) if store is not None else None
-        self.set_weight: Callable[[str, float], None] | None = getattr(policy, "set_weight", None)
+        self.set_weight = set_weight
+        self.tenant_to_weight_sent: dict[str, float] = {}
 
     @property
     def auth_on(self) -> bool:
@@ -84,7 +87,8 @@ class Tenancy:
         """Check and reserve everything for the caller's tenant (raises Refusal or ParameterError, having
         taken nothing). `worst_tokens`: Σ prompt + n × max_tokens over the request's prompts."""
         tenant = self.principal(request).tenant
-        if self.set_weight is not None:
+        if self.set_weight is not None and self.tenant_to_weight_sent.get(tenant.name) != tenant.weight:
+            self.tenant_to_weight_sent[tenant.name] = tenant.weight
             self.set_weight(tenant.name, tenant.weight)
         return self.admission.admit(tenant, worst_tokens, num_prompts=num_prompts, model=model,
                                     request_id=request_id)

@@ -29,7 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tokenfactory.engine.async_engine import AddRequest, AsyncEngine, EngineDeadError, RequestError
+from tokenfactory.engine.client import AddRequest, EngineClient, EngineDeadError, RequestError
 from tokenfactory.gateway.accounting import Accounting
 from tokenfactory.gateway.admin import Tenancy
 from tokenfactory.gateway.admission import Admission, Reservation
@@ -93,11 +93,11 @@ class BodySizeLimit:
         await self.app(scope, counting_receive, send)
 
 
-def build_app(engine: AsyncEngine, settings: ServerSettings, accounting: Accounting | None = None,
+def build_app(engine: EngineClient, settings: ServerSettings, accounting: Accounting | None = None,
               on_shutdown: Callable[[], None] | None = None, tenancy: Tenancy | None = None) -> FastAPI:
     if tenancy is None:  # auth off, no limits but the queue bound
         tenancy = Tenancy(None, Admission(max_waiting=settings.max_waiting, retry_after_s=settings.retry_after_s))
-    metrics = ServerMetrics(engine.engine, settings.served_model_name, lambda: engine.num_waiting,
+    metrics = ServerMetrics(engine, settings.served_model_name,
                             accounting.meter if accounting else None, accounting.ledger if accounting else None,
                             admission=tenancy.admission)
     handler = Handler(engine, settings, metrics, accounting, tenancy)
@@ -132,10 +132,10 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, accounting: Account
 
     @app.get("/v1/models")
     async def models() -> dict:
-        e = engine.engine
         return {"object": "list", "data": [{
             "id": settings.served_model_name, "object": "model", "created": int(handler.started),
-            "owned_by": "tokenfactory", "root": settings.served_model_name, "max_model_len": e.max_model_len}]}
+            "owned_by": "tokenfactory", "root": settings.served_model_name,
+            "max_model_len": engine.info.max_model_len}]}
 
     @app.get("/v1/usage")
     async def usage(request: Request, since: str | None = None, group_by: str | None = None,
@@ -244,7 +244,7 @@ class Settlement:
 
 
 class Handler:
-    def __init__(self, engine: AsyncEngine, settings: ServerSettings, metrics: ServerMetrics,
+    def __init__(self, engine: EngineClient, settings: ServerSettings, metrics: ServerMetrics,
                  accounting: Accounting | None = None, tenancy: Tenancy | None = None) -> None:
         self.engine, self.settings, self.metrics, self.accounting = engine, settings, metrics, accounting
         self.tenancy = tenancy if tenancy is not None else Tenancy(None)
@@ -254,7 +254,7 @@ class Handler:
 
     @property
     def tokenizer(self):  # noqa: ANN201 - the model's Tokenizer
-        return self.engine.engine.tokenizer
+        return self.engine.tokenizer
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.settings.served_model_name:
@@ -269,17 +269,17 @@ class Handler:
 
     def prepare(self, body: _SamplingFields, text: str | None, ids: list[int], max_tokens: int | None,
                 logprobs: int | None) -> Prepared:
-        e = self.engine.engine
-        e.check_prompt_length(len(ids))
-        room = e.max_model_len - len(ids)
+        info = self.engine.info
+        info.check_prompt(ids)
+        room = info.max_model_len - len(ids)
         if max_tokens is None:
             max_tokens = room
         elif max_tokens > room:
             raise ParameterError(
-                "max_tokens", f"this model's context window is {e.max_model_len} model tokens; the prompt has "
+                "max_tokens", f"this model's context window is {info.max_model_len} model tokens; the prompt has "
                 f"{len(ids)} and max_tokens asks for {max_tokens} more: lower max_tokens to at most {room}")
         params = body.sampling_params(max_tokens, logprobs)
-        e.check_params(params)
+        info.check_params(params)
         return Prepared(text, ids, params)
 
     async def drain(self, timeout_s: float = 30.0) -> None:
@@ -329,13 +329,13 @@ class Handler:
         if not prompt:
             raise ParameterError("prompt", "prompt must not be empty")
         if all(isinstance(p, int) for p in prompt):
-            return [(None, self.engine.engine.tokenize_prompt(list(prompt))[1])]
+            return [(None, list(prompt))]  # checked in prepare()
         if len(prompt) > MAX_PROMPTS:
             raise ParameterError("prompt", f"at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}")
         if all(isinstance(p, str) for p in prompt):
             return [(p, self.tokenizer.encode(p)) for p in prompt]
         if all(isinstance(p, list) for p in prompt):
-            return [(None, self.engine.engine.tokenize_prompt(p)[1]) for p in prompt]
+            return [(None, list(p)) for p in prompt]
         raise ParameterError("prompt", "prompt must be a string, a list of strings, a list of token ids, "
                              "or a list of lists of token ids")
 

@@ -6,6 +6,7 @@ import argparse
 import logging
 import re
 import sys
+from collections.abc import Callable, Sequence
 
 logger = logging.getLogger("tokenfactory.serve")
 
@@ -139,9 +140,14 @@ def served_name(model_path: str, explicit: str | None) -> str:
     return re.sub(r"\.(Q\d\w*|F16|F32|BF16)?\.?gguf$", "", name, flags=re.IGNORECASE).rstrip(".") or name
 
 
-def build_engine(args: argparse.Namespace):  # noqa: ANN201 - LLMEngine, imported lazily
-    """Load the model, check it fits (the doctor's pre-flight), then build the engine."""
+def make_engine(config, loaded, step_listeners: Sequence[Callable]):  # noqa: ANN001, ANN201 - LLMEngine (lazy)
     from tokenfactory.engine.engine import LLMEngine
+
+    return LLMEngine(config, loaded, step_listeners=step_listeners)
+
+
+def load_checked(args: argparse.Namespace):  # noqa: ANN201 - (EngineConfig, LoadedModel)
+    """The engine's config and its model, loaded and checked to fit (the doctor's pre-flight)."""
     from tokenfactory.engine.memory import free_memory_bytes, kv_budget_bytes, resolve_device, resolve_dtype
     from tokenfactory.models.loader import load_model
     from tokenfactory.planner.doctor import preflight, raise_on_errors
@@ -163,10 +169,10 @@ def build_engine(args: argparse.Namespace):  # noqa: ANN201 - LLMEngine, importe
         if finding.severity != "error":
             logger.info("pre-flight: %s", finding.message)
     raise_on_errors(findings)
-    return LLMEngine(config, loaded)
+    return config, loaded
 
 
-def build_accounting(args: argparse.Namespace, engine, name: str):  # noqa: ANN001, ANN201
+def build_accounting(args: argparse.Namespace, model_config, device_type: str, name: str):  # noqa: ANN001, ANN201
     from pathlib import Path
 
     from tokenfactory.gateway.accounting import Accounting
@@ -181,9 +187,8 @@ def build_accounting(args: argparse.Namespace, engine, name: str):  # noqa: ANN0
     for reason in choice.skipped:
         logger.info("power: %s", reason)
     prices = load_prices(Path(args.prices) if args.prices else None, device=args.device_profile,
-                         device_name=None if engine.device.type == "cpu" else "cuda")
-    meter = Meter(choice.source, engine.model_config, prices).start()
-    engine.step_listeners.append(meter.on_step)
+                         device_name=None if device_type == "cpu" else "cuda")
+    meter = Meter(choice.source, model_config, prices).start()
     ledger = Ledger.open(args.data_dir, url=args.database_url)
     return Accounting(meter, ledger, name), choice.source.describe(), prices.describe()
 
@@ -194,20 +199,25 @@ def serve(args: argparse.Namespace) -> int:
     from sqlalchemy.exc import SQLAlchemyError
 
     from tokenfactory.engine.async_engine import AsyncEngine
+    from tokenfactory.engine.client import ChargeEnergy
+    from tokenfactory.engine.memory import resolve_device
     from tokenfactory.gateway.app import ServerSettings, build_app
     from tokenfactory.gateway.limits import raise_fd_limit, wrap_app
 
     try:
         limits = limit_settings_from_args(args)
-        engine = build_engine(args)
+        config, loaded = load_checked(args)
+        name = served_name(str(loaded.path), args.served_model_name)
+        accounting, power, prices = build_accounting(args, loaded.config, resolve_device(config.device).type, name)
+        engine = make_engine(config, loaded, [accounting.meter.on_step])
         engine.warmup()
-        name = served_name(engine.model_path, args.served_model_name)
-        accounting, power, prices = build_accounting(args, engine, name)
     except (ValueError, FileNotFoundError, OSError, SQLAlchemyError) as e:
         print(f"tokenfactory serve: cannot start: {e}", file=sys.stderr)
         return 2
     async_engine = AsyncEngine(engine)
     async_engine.start()
+    if args.scheduling_policy == "vtc-joules":  # the meter's measured joules charge the tenants' counters
+        accounting.meter.energy_listeners.append(lambda joules: async_engine.send(ChargeEnergy(joules)))
 
     def shutdown() -> None:  # after uvicorn drained the requests and the app its pending ledger rows
         async_engine.shutdown()
@@ -218,7 +228,7 @@ def serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(served_model_name=name, max_waiting=args.max_waiting,
                               max_body_bytes=int(args.max_body_bytes),
                               stream_send_timeout_s=args.stream_send_timeout)
-    tenancy, auth_line = build_tenancy(args, engine, accounting)
+    tenancy, auth_line = build_tenancy(args, async_engine, accounting)
     app = build_app(async_engine, settings, accounting, on_shutdown=shutdown, tenancy=tenancy)
     cap = engine.capacity
     print(f"tokenfactory serving {name}\n"
@@ -240,20 +250,23 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_tenancy(args: argparse.Namespace, engine, accounting):  # noqa: ANN001, ANN201 - (Tenancy, banner line)
-    """Auth (with --auth), admission limits and budgets, and the fair-share policy's weights and joules."""
-    from tokenfactory.engine.fair import attach_energy
+def build_tenancy(args: argparse.Namespace, client, accounting):  # noqa: ANN001, ANN201 - (Tenancy, banner line)
+    """Auth (with --auth), admission limits and budgets, and the tenants' fair-share weights (sent to the
+    engine through its client)."""
+    from tokenfactory.engine.client import SetTenantWeight
     from tokenfactory.gateway.admin import Tenancy
     from tokenfactory.gateway.admission import Admission
     from tokenfactory.tenants.store import TenantStore
 
-    policy = engine.scheduler.waiting
-    attach_energy(engine, accounting.meter.source)  # only if the policy counts joules
+    def set_weight(tenant: str, weight: float) -> None:
+        client.send(SetTenantWeight(tenant, weight))
+
+    admission = Admission(accounting.ledger, max_waiting=args.max_waiting)
     if not args.auth:
-        return (Tenancy(None, Admission(accounting.ledger, max_waiting=args.max_waiting), policy),
+        return (Tenancy(None, admission, set_weight),
                 f"off (anyone who can reach the port can use it); scheduling {args.scheduling_policy}")
     store = TenantStore(accounting.ledger.engine)
     num_tenants, num_admin = len(store.list_tenants()), sum(k.is_admin for k in store.list_keys())
     hint = "" if num_admin else "; no admin key yet: `tokenfactory keys create --admin`"
-    return (Tenancy(store, Admission(accounting.ledger, max_waiting=args.max_waiting), policy),
+    return (Tenancy(store, admission, set_weight),
             f"on: API keys required ({num_tenants} tenants){hint}; scheduling {args.scheduling_policy}")

@@ -1,21 +1,22 @@
 """Prometheus metrics, under vLLM's names with our prefix (`vllm:` -> `tokenfactory:`), so operators'
 dashboards carry over. Each metric is documented in docs/metrics.md.
 
-Engine-side counts (running, waiting, KV usage, token and prefix-cache counters, preemptions) are read
-from the engine when Prometheus scrapes, so the step loop does no metrics work at all; per-request
-latencies are observed by the server when a request finishes.
+Engine-side counts (running, waiting, KV usage, token and prefix-cache counters, preemptions) come from
+the engine client's latest statistics snapshot (`EngineClient.stats()`, immutable, published by the
+engine's thread), so a scrape never reads live engine state and the step loop does no metrics work;
+per-request latencies are observed by the server when a request finishes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from tokenfactory.engine.engine import LLMEngine
+from tokenfactory.engine.client import EngineClient, SpeculativeMetrics
 from tokenfactory.meter.attribution import Meter
 from tokenfactory.meter.ledger import Ledger
 
@@ -28,11 +29,11 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 
 
 class EngineCollector(Collector):
-    def __init__(self, engine: LLMEngine, model_name: str, num_waiting: Callable[[], int]) -> None:
-        self.engine, self.model_name, self.num_waiting = engine, model_name, num_waiting
+    def __init__(self, engine: EngineClient, model_name: str) -> None:
+        self.engine, self.model_name = engine, model_name
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        e, labels = self.engine, ["model_name"]
+        s, labels = self.engine.stats(), ["model_name"]
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             g = GaugeMetricFamily(P + name, doc, labels=labels)
@@ -44,28 +45,28 @@ class EngineCollector(Collector):
             c.add_metric([self.model_name], value)
             return c
 
-        yield gauge("num_requests_running", "Sequences in the running batch.", e.num_running)
-        yield gauge("num_requests_waiting", "Sequences and requests waiting to be scheduled.", self.num_waiting())
-        yield gauge("kv_cache_usage_perc", "Share of KV-cache blocks in use (0..1).", e.kv.usage)
-        yield gauge("kv_cache_num_blocks", "KV-cache blocks in the pool.", e.kv.num_blocks)
-        yield gauge("max_num_seqs", "Configured cap on running sequences.", e.config.max_num_seqs)
-        yield gauge("max_num_batched_tokens", "Configured token budget per step.", e.config.max_num_batched_tokens)
-        yield counter("prompt_tokens", "Prompt tokens processed (cache hits included).", e.num_prompt_tokens_total)
-        yield counter("generation_tokens", "Tokens generated.", e.num_generation_tokens_total)
-        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", e.kv.num_prefix_queries)
-        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", e.kv.num_prefix_hits)
+        yield gauge("num_requests_running", "Sequences in the running batch.", s.num_running)
+        yield gauge("num_requests_waiting", "Sequences and requests waiting to be scheduled.", s.num_waiting)
+        yield gauge("kv_cache_usage_perc", "Share of KV-cache blocks in use (0..1).", s.kv_cache_usage)
+        yield gauge("kv_cache_num_blocks", "KV-cache blocks in the pool.", s.num_kv_blocks)
+        yield gauge("max_num_seqs", "Configured cap on running sequences.", s.max_num_seqs)
+        yield gauge("max_num_batched_tokens", "Configured token budget per step.", s.max_num_batched_tokens)
+        yield counter("prompt_tokens", "Prompt tokens processed (cache hits included).", s.num_prompt_tokens_total)
+        yield counter("generation_tokens", "Tokens generated.", s.num_generation_tokens_total)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.num_prefix_queries)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.num_prefix_hits)
         yield counter("num_preemptions", "Sequences preempted (by recompute) for lack of KV blocks.",
-                      e.scheduler.num_preemptions)
-        yield counter("engine_steps", "Engine steps run.", e.num_steps)
-        yield from speculative_metrics(e, self.model_name)
+                      s.num_preemptions)
+        yield counter("engine_steps", "Engine steps run.", s.num_steps)
+        yield counter("requests_failed_alone", "Requests the engine failed alone (fault isolation).",
+                      s.num_failed_requests)
+        if s.speculative is not None:
+            yield from speculative_metrics(s.speculative, self.model_name)
 
 
-def speculative_metrics(e: LLMEngine, model_name: str) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+def speculative_metrics(m: SpeculativeMetrics, model_name: str) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
     """Speculative decoding (vLLM's spec_decode names where they exist): counters, acceptance by draft
     position, the estimated time saved, and the current on/off decision with the evidence behind it."""
-    m = e.speculator.metrics()
-    if m is None:
-        return
     labels, values = ["model_name", "method"], [model_name, m.method]
     for name, doc, value in (
             ("spec_decode_num_drafts", "Verified drafts (one per sequence and step).", m.num_drafts),
@@ -196,11 +197,10 @@ class AdmissionCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, engine: LLMEngine, model_name: str, num_waiting: Callable[[], int],
-                 meter: Meter | None = None, ledger: Ledger | None = None, *,
-                 admission: Admission | None = None) -> None:
+    def __init__(self, engine: EngineClient, model_name: str, meter: Meter | None = None,
+                 ledger: Ledger | None = None, *, admission: Admission | None = None) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(engine, model_name, num_waiting))
+        self.registry.register(EngineCollector(engine, model_name))
         if admission is not None:
             self.registry.register(AdmissionCollector(admission))
         if meter is not None:

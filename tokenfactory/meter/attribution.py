@@ -35,35 +35,13 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
+from tokenfactory.config import FlopShape, work_flops  # noqa: F401 - re-exported: the meter's FLOP split
 from tokenfactory.meter.power import Clock, EnergyReading, PowerSource
 from tokenfactory.meter.prices import Prices
 from tokenfactory.types import ParameterError, StepStats
-
-
-class FlopShape(Protocol):
-    """What the FLOP weights need from a model (tokenfactory.config.ModelConfig has it)."""
-
-    @property
-    def num_params(self) -> int: ...
-
-    @property
-    def num_layers(self) -> int: ...
-
-    @property
-    def num_heads(self) -> int: ...
-
-    @property
-    def head_dim(self) -> int: ...
-
-
-def work_flops(shape: FlopShape, num_new_tokens: int, num_context_tokens: int) -> float:
-    """Forward FLOPs of n new tokens over c cached ones: 2·N·n + 4·L·d_attn·(n·c + n(n+1)/2)."""
-    n, c = num_new_tokens, num_context_tokens
-    d_attn = shape.num_heads * shape.head_dim
-    return 2.0 * shape.num_params * n + 4.0 * shape.num_layers * d_attn * (n * c + n * (n + 1) / 2)
 
 
 @dataclass(frozen=True)
@@ -198,6 +176,9 @@ class Meter:
         self._energy = _Energy()
         self._finished = _Finished()
         self._busy_device_seconds = 0.0
+        # Called (under the meter's lock: keep them to a queue put) with the joules each settlement gave
+        # each request: the joule-counting fair share hears of measured energy this way.
+        self.energy_listeners: list[Callable[[dict[str, float]], None]] = []
         self._stop = threading.Event()
         self._ticker: threading.Thread | None = None
         with self._lock:
@@ -361,6 +342,7 @@ class Meter:
         energy.idle_joules += at_start - settled.joules
         busy_joules = reading.joules - at_start
         total_s = sum(step.duration_s for step in self._pending)
+        request_id_to_joules: dict[str, float] = {}
         for step in self._pending:
             fraction = step.duration_s / total_s if total_s > 0 else 1.0 / len(self._pending)
             step_joules = busy_joules * fraction
@@ -374,7 +356,11 @@ class Meter:
                 account.joules += step_joules * share
                 account.num_pending_steps -= 1
                 energy.attributed_joules += step_joules * share
+                request_id_to_joules[request_id] = request_id_to_joules.get(request_id, 0.0) + step_joules * share
         self._pending.clear()
+        if request_id_to_joules:
+            for listener in self.energy_listeners:
+                listener(request_id_to_joules)
         energy.settled = reading
         energy.idle_samples.clear()
 
