@@ -47,6 +47,9 @@ def test_chat_completion_with_usage_and_energy(client) -> None:
     extra = u.model_extra
     assert extra["energy_source"] in ("modelled", "rapl", "nvml", "constant")
     assert extra["energy_joules"] > 0 and extra["cost_usd"] > 0
+    assert extra["joules_per_output_token"] == pytest.approx(extra["energy_joules"] / u.completion_tokens)
+    assert extra["facility_energy_joules"] == pytest.approx(extra["energy_joules"] * extra["energy_overhead_factor"])
+    assert extra["cost_usd"] == pytest.approx(extra["cost_device_usd"] + extra["cost_energy_usd"])
 
 
 def test_completion_prompt_forms(client) -> None:
@@ -73,11 +76,12 @@ def test_streaming_chat_with_usage(client) -> None:
     assert chunks[0].choices[0].delta.role == "assistant"
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finishes in (["stop"], ["length"])
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    assert chunks[-1].choices == []
     assert all(c.usage is None for c in chunks[:-1])
     full = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Count to five."}],
                                           max_tokens=24, temperature=0)
     assert text == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens > 0
 
 
 def test_stream_ends_with_done(server) -> None:
@@ -205,8 +209,15 @@ def test_metrics_and_usage_endpoint(server) -> None:
                  "num_preemptions_total", "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
                  "e2e_request_latency_seconds_bucket", "request_queue_time_seconds_bucket", "energy_joules_total"):
         assert f"tokenfactory:{name}" in text
-    usage = httpx.get(server.url + "/v1/usage", params={"group_by": "model"}).json()
-    assert usage["data"][0]["key"] == MODEL and usage["data"][0]["num_requests"] > 0
+    def totals() -> tuple[int, int]:
+        data = httpx.get(server.url + "/v1/usage", params={"group_by": "model"}).json()["data"]
+        assert all(row["key"] == MODEL for row in data)
+        return sum(row["num_requests"] for row in data), sum(row["completion_tokens"] for row in data)
+    before = totals()
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "ignore_eos": True},
+                   timeout=120)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    assert totals() == (before[0] + 1, before[1] + 3)  # its row is committed before its last byte
 
 
 def test_overload_gets_503_with_retry_after(tmp_path) -> None:
