@@ -403,7 +403,7 @@ class LLMEngine:
             st.text += st.stream.flush() or ""  # type: ignore[attr-defined]  # bytes of an unfinished character
         if seq.params.stop and seq.finish_reason is not FinishReason.STOP:
             if self._check_stop_strings(st, seq, len(piece or "")):
-                del seq.token_ids[num_tokens:]  # tokens a speculative step accepted after the stop
+                self.scheduler.stop_at(seq, num_tokens)
                 return True
         return False
 
@@ -414,11 +414,6 @@ class LLMEngine:
             at = st.text.find(stop, search_from)
             if at != -1:
                 st.text = st.text[:at + len(stop)] if seq.params.include_stop_str_in_output else st.text[:at]
-                if seq.is_finished:
-                    # A length limit met at this token, or at a later (dropped) token of a speculative step.
-                    seq.finish_reason = FinishReason.STOP
-                else:
-                    self.scheduler.finish(seq, FinishReason.STOP)
                 return True
         return False
 

@@ -220,12 +220,10 @@ class Scheduler:
         self.waiting.add_preempted(seq)
         out.preempted.append(seq)
 
-    def update(self, out: SchedulerOutput, sampled: Mapping[str, int | list[int]]) -> list[Sequence]:
+    def update(self, out: SchedulerOutput, sampled: Mapping[str, int | list[int]]) -> None:
         """Apply a step's results: advance progress, append sampled tokens (the accepted draft tokens
         and one more, for a speculative chunk), cache newly full blocks, release the rejected draft
-        tokens' slots, and finish sequences that hit a token-level stop (dropping tokens after it).
-        Returns the sequences finished here."""
-        finished: list[Sequence] = []
+        tokens' slots, and finish sequences that hit a token-level stop (dropping tokens after it)."""
         for chunk in out.chunks:
             seq = chunk.seq
             if seq.is_finished:
@@ -243,10 +241,18 @@ class Scheduler:
             self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, min(seq.num_computed_tokens, seq.num_tokens))
             if reason is not None:
                 self.finish(seq, reason)
-                finished.append(seq)
             elif num_rejected:
                 self.kv.trim(seq.seq_id, seq.num_tokens)
-        return finished
+
+    def stop_at(self, seq: Sequence, num_tokens: int) -> None:
+        """Output processing found a stop string ending at the sequence's `num_tokens`-th token: drop the
+        tokens after it (a speculative step accepts several at once) and finish it as stopped, also when a
+        length limit had finished it at a later token of the same step."""
+        del seq.token_ids[num_tokens:]
+        if seq.is_finished:
+            seq.finish_reason = FinishReason.STOP
+        else:
+            self.finish(seq, FinishReason.STOP)
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         p = seq.params
