@@ -1,15 +1,19 @@
-"""Start a real `tokenfactory serve` subprocess on a free loopback port, for tests."""
+"""Start a real `tokenfactory serve` subprocess on a free loopback port, for tests; or the gateway app in
+this process (`start_gateway`) over any engine client, such as tests/fake_engine.py's."""
 
 from __future__ import annotations
 
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -81,3 +85,95 @@ def start_server(tmp: Path, *args: str, timeout: float = 180) -> Server:
         time.sleep(0.3)
     server.stop(signal.SIGKILL)
     raise RuntimeError(f"server did not become healthy in {timeout} s:\n{server.log()}")
+
+
+def read_metric(url: str, name: str) -> float:
+    """Sum of a metric's samples in a server's /metrics."""
+    total, found = 0.0, False
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+            found = True
+    assert found, f"{name} not in /metrics"
+    return total
+
+
+@dataclass
+class Gateway:
+    """The real gateway app under uvicorn in a thread of this process, over any EngineClient."""
+
+    server: Any  # uvicorn.Server
+    thread: threading.Thread
+    port: int
+    engine: Any  # the EngineClient
+    ledger_path: Path
+    store: Any  # TenantStore | None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def metric(self, name: str) -> float:
+        return read_metric(self.url, name)
+
+    def ledger_rows(self, request_id: str | None = None) -> list[dict[str, Any]]:
+        with sqlite3.connect(self.ledger_path) as conn:
+            conn.row_factory = sqlite3.Row
+            where, args = ("WHERE request_id = ?", (request_id,)) if request_id else ("", ())
+            return [dict(r) for r in conn.execute(f"SELECT * FROM requests {where} ORDER BY id", args)]
+
+    def stop(self, timeout: float = 15) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+
+def start_gateway(engine: Any, data_dir: Path, *, auth: bool = False, max_waiting: int = 64,  # noqa: ANN401
+                  max_body_bytes: int = 200_000, model_name: str = "fake-tiny", watts: float = 100.0,
+                  timeout: float = 20) -> Gateway:
+    """Wire the gateway as `tokenfactory serve` does (gateway/cli.py): a Meter on a constant power source
+    hearing the engine's steps, a SQLite ledger in `data_dir`, Admission (and with `auth`, a TenantStore
+    on the ledger's database), limits.wrap_app; start `engine` and serve on a free loopback port."""
+    import uvicorn
+
+    from tokenfactory.engine.client import SetTenantWeight
+    from tokenfactory.gateway.accounting import Accounting
+    from tokenfactory.gateway.admin import Tenancy
+    from tokenfactory.gateway.admission import Admission
+    from tokenfactory.gateway.app import ServerSettings, build_app
+    from tokenfactory.gateway.limits import LimitSettings, wrap_app
+    from tokenfactory.meter.attribution import Meter
+    from tokenfactory.meter.ledger import LEDGER_FILENAME, Ledger
+    from tokenfactory.meter.power import ConstantSource
+    from tokenfactory.meter.prices import load_prices
+    from tokenfactory.tenants.store import TenantStore
+
+    meter = Meter(ConstantSource(watts), engine.info.config, load_prices(None)).start()
+    engine.step_listeners.append(meter.on_step)
+    ledger = Ledger.open(data_dir)
+    accounting = Accounting(meter, ledger, model_name)
+    store = TenantStore(ledger.engine) if auth else None
+    tenancy = Tenancy(store, Admission(ledger, max_waiting=max_waiting),
+                      lambda tenant, weight: engine.send(SetTenantWeight(tenant, weight)))
+
+    def shutdown() -> None:
+        engine.shutdown()
+        tenancy.shutdown()
+        meter.close()
+        accounting.close()
+
+    settings = ServerSettings(served_model_name=model_name, max_waiting=max_waiting, max_body_bytes=max_body_bytes)
+    app = build_app(engine, settings, accounting, on_shutdown=shutdown, tenancy=tenancy)
+    engine.start()
+    limits, port = LimitSettings(), free_port()
+    config = uvicorn.Config(wrap_app(app, limits), host="127.0.0.1", port=port, log_level="warning",
+                            timeout_graceful_shutdown=5, **limits.uvicorn_kwargs())
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name=f"gateway-{port}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            raise RuntimeError(f"the gateway did not start on port {port}")
+        time.sleep(0.01)
+    return Gateway(server, thread, port, engine, data_dir / LEDGER_FILENAME, store)
