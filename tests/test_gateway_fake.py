@@ -163,10 +163,6 @@ def test_streamed_completions_deltas_join_to_the_whole_answer(gw, client) -> Non
     assert_idle(gw)
 
 
-@pytest.mark.xfail(strict=True, reason="render.delta_chunks sends a choice that finished earlier again (empty text, "
-                   "its finish_reason) with every later output of its request, so with n > 1 a client sees "
-                   "several finish_reasons for one choice; the real engine's outputs carry finished choices "
-                   "the same way (LLMEngine._make_output)")
 def test_a_streamed_choice_finishes_once(client) -> None:
     _, reasons, _, num_after_finish = stream_choices(client, **STREAM_N)
     assert reasons == {i: ["stop"] for i in range(4)} and num_after_finish == 0

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.server_util import start_server
-from tokenfactory.gateway.app import Settlement
+from tokenfactory.gateway.settlement import Settlement
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -121,10 +121,11 @@ class Held:
 
 def test_a_request_is_settled_once_when_its_caller_is_cancelled_mid_write() -> None:
     accounting, held = SlowAccounting(), Held()
-    handler = SimpleNamespace(accounting=accounting, background=set())
+    pending: set = set()
 
     async def main() -> dict:
-        settlement = Settlement(handler, "cmpl-1", [SimpleNamespace(request_id="cmpl-1-0")], held)  # type: ignore[arg-type]
+        settlement = Settlement(accounting, pending, "cmpl-1", [SimpleNamespace(request_id="cmpl-1-0")],  # type: ignore[arg-type]
+                                held)  # type: ignore[arg-type]
         caller = asyncio.ensure_future(settlement.settle([None], "finished"))
         await asyncio.sleep(0.05)
         caller.cancel()  # the client disconnects while its row is being written
@@ -134,4 +135,5 @@ def test_a_request_is_settled_once_when_its_caller_is_cancelled_mid_write() -> N
         return await settlement.task
 
     assert asyncio.run(main()) == {"energy_joules": 1.0}
+    assert not pending  # done, so no longer awaited at shutdown
     assert accounting.calls == 1 and held.settled == [{"energy_joules": 1.0}]

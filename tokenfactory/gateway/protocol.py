@@ -147,3 +147,26 @@ class ChatCompletionRequest(_SamplingFields):
             raise ParameterError("response_format", "only response_format {\"type\": \"text\"} is supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise ParameterError("top_logprobs", "top_logprobs needs logprobs set to true")
+
+
+def check_unicode(body: BaseModel) -> None:
+    """Strings must be valid Unicode: JSON may carry a lone surrogate (\\ud800) that no tokenizer takes."""
+    def walk(value: object, path: str) -> None:
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ParameterError(path, f"{path} is not valid Unicode: it holds a lone surrogate "
+                                     "(\\ud800-\\udfff) that is not half of a pair") from None
+        elif isinstance(value, BaseModel):
+            for k, v in {**value.__dict__, **(value.model_extra or {})}.items():
+                walk(v, f"{path}.{k}" if path else k)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(k, path)
+                walk(v, f"{path}.{k}")
+        elif isinstance(value, list | tuple):
+            for i, v in enumerate(value):
+                walk(v, f"{path}[{i}]")
+
+    walk(body, "")

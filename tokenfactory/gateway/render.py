@@ -84,11 +84,13 @@ class render_chat:  # noqa: N801 - a namespace of renderers, used like a functio
             for i in range(n)]
 
     @staticmethod
-    def delta_chunks(request_id: str, model: str, created: int, prompt_index: int,
-                     out: RequestOutput) -> list[dict[str, Any]]:
+    def delta_chunks(request_id: str, model: str, created: int, prompt_index: int, out: RequestOutput,
+                     finished_before: frozenset[int] = frozenset()) -> list[dict[str, Any]]:
+        """Chunks for what is new in `out`; `finished_before`: choices whose finish was already sent (an
+        output carries every choice of its request, finished ones too)."""
         chunks = []
         for c in out.outputs:
-            if not c.token_ids_delta and not c.text_delta and not c.finished:
+            if c.index in finished_before or (not c.token_ids_delta and not c.text_delta and not c.finished):
                 continue
             delta = {"content": c.text_delta} if c.text_delta or not c.finished else {}
             chunks.append(render_chat._chunk(request_id, model, created, [{
@@ -124,12 +126,14 @@ class render_completion:  # noqa: N801
             for i, add in enumerate(adds) for k in range(add.params.n)]
 
     @staticmethod
-    def delta_chunks(request_id: str, model: str, created: int, prompt_index: int,
-                     out: RequestOutput) -> list[dict[str, Any]]:
+    def delta_chunks(request_id: str, model: str, created: int, prompt_index: int, out: RequestOutput,
+                     finished_before: frozenset[int] = frozenset()) -> list[dict[str, Any]]:
+        """Chunks for what is new in `out`; `finished_before`: choices whose finish was already sent (an
+        output carries every choice of its request, finished ones too)."""
         chunks = []
         n = len(out.outputs)
         for c in out.outputs:
-            if not c.token_ids_delta and not c.text_delta and not c.finished:
+            if c.index in finished_before or (not c.token_ids_delta and not c.text_delta and not c.finished):
                 continue
             chunks.append(render_completion._chunk(request_id, model, created, [{
                 "index": prompt_index * n + c.index, "text": c.text_delta,

@@ -16,6 +16,7 @@ two gaps for us):
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -76,3 +77,9 @@ class EventStream(StreamingResponse):
     async def _wait_for_disconnect(receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
+
+
+def sse(chunk: dict, include_usage: bool = False) -> str:
+    if include_usage and "usage" not in chunk:
+        chunk = {**chunk, "usage": None}
+    return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"

@@ -1,0 +1,54 @@
+"""Settling one API request: its meter figures, its ledger row and its tenant reservations, exactly once.
+
+A request can end in many ways (its body finishing, a failure, a disconnect, a client that stops reading,
+a disconnect while its ledger row is being written, a stream whose body never started): every one of
+them calls `Settlement.start` or `settle`, and only the first call does the work, in one task that no
+caller's cancellation can cancel. Pending settlements are tracked so that SIGTERM waits for their rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from tokenfactory.engine.client import AddRequest
+from tokenfactory.gateway.accounting import Accounting
+from tokenfactory.gateway.admission import Reservation
+from tokenfactory.types import RequestOutput
+
+logger = logging.getLogger("tokenfactory.gateway.app")
+
+
+class Settlement:
+    """Meter, ledger and tenant reservations of one API request, settled exactly once whatever ends it
+    (the body finishing, a disconnect while the row is written, a failure): the first call starts the one
+    settling task, every later call awaits that same task, and cancelling a caller never cancels it."""
+
+    def __init__(self, accounting: Accounting | None, pending: set[asyncio.Task], request_id: str,
+                 adds: list[AddRequest], reservation: Reservation) -> None:
+        """`pending`: the server's set of unfinished settlements (what shutdown waits for)."""
+        self.accounting, self.pending = accounting, pending
+        self.request_id, self.adds, self.reservation = request_id, adds, reservation
+        self.task: asyncio.Task | None = None
+
+    async def settle(self, finals: list[RequestOutput | None], status: str) -> dict:
+        return await asyncio.shield(self.start(finals, status))
+
+    def start(self, finals: list[RequestOutput | None], status: str) -> asyncio.Task:
+        if self.task is None:
+            self.task = asyncio.ensure_future(self._settle(finals, status))
+            self.pending.add(self.task)
+            self.task.add_done_callback(self.pending.discard)
+        return self.task
+
+    async def _settle(self, finals: list[RequestOutput | None], status: str) -> dict:
+        extra: dict = {}
+        try:
+            if self.accounting is not None:
+                extra = await self.accounting.settle(self.request_id, [a.request_id for a in self.adds], finals,
+                                                     status, tenant=self.reservation.tenant)
+        except Exception:  # noqa: BLE001 - the answer still goes out; the log says what went wrong
+            logger.exception("settling request %s failed", self.request_id)
+        finally:
+            self.reservation.settle(finals, extra)  # actual use replaces the reservation
+        return extra
