@@ -268,3 +268,20 @@ def test_background_ticker_measures_idle_with_a_real_clock():
     totals = meter.totals()
     assert totals.idle_joules > 0 and totals.current_watts == pytest.approx(100.0)
     assert totals.idle_joules + totals.unsettled_joules == pytest.approx(totals.energy_joules_by_source["constant"])
+
+
+def test_energy_listeners_hear_each_requests_measured_joules():
+    """What the joule fair share is charged (through the engine client): per request, exactly the joules
+    the meter attributed to it, step by step, and the same total as the requests' own accounts."""
+    clock, source, meter = make_meter(watts=80.0)
+    heard: list[dict[str, float]] = []
+    meter.energy_listeners.append(heard.append)
+    for i in range(3):
+        work = [SequenceWork("a", 10, 5 * i, False), SequenceWork("b", 1, 40 + i, False)]
+        meter.on_step(step(clock, source, 0.02, 80.0, work, index=i))
+    assert heard, "no settlement reported"
+    per_request = {r: sum(h.get(r, 0.0) for h in heard) for r in ("a", "b")}
+    assert sum(per_request.values()) == pytest.approx(80.0 * 0.06, rel=1e-9)
+    assert per_request["a"] > per_request["b"] > 0  # split by FLOPs: a computes 10 tokens a step, b one
+    for r in ("a", "b"):
+        assert meter.finish_request(r).energy_joules == pytest.approx(per_request[r], rel=1e-9)
