@@ -148,3 +148,22 @@ print(json.dumps({{"culprit": None}}))
     assert result["culprit"] is None, (f"importing {result['culprit']} imports torch (through "
                                        f"{', '.join(result['pulled']) or 'a third-party package'}); "
                                        f"{package} must stay torch-free")
+
+
+ENGINE_INTERNALS = ("runner", "kv", "scheduler", "speculator", "requests", "sampler", "faults")
+
+
+def test_nothing_outside_the_engine_holds_its_internals() -> None:
+    """The engine has one door (engine/client.py, and LLMEngine's public methods offline): no module outside
+    tokenfactory/engine reaches into an engine's scheduler, KV manager, runner, speculator or requests."""
+    package = ROOT / "tokenfactory"
+    slips = []
+    for path in sorted(package.rglob("*.py")):
+        if (package / "engine") in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Attribute) and node.attr in ENGINE_INTERNALS
+                    and isinstance(node.value, ast.Name | ast.Attribute)
+                    and (node.value.id if isinstance(node.value, ast.Name) else node.value.attr).endswith("engine")):
+                slips.append(f"{path.relative_to(ROOT)}:{node.lineno} reads .{node.attr} of an engine")
+    assert not slips, "\n".join(slips)

@@ -82,18 +82,17 @@ def run_engine(args: argparse.Namespace) -> tuple[dict[str, Any], list[tuple[lis
     # random prompts would not hit anyway).
     ids = [engine.add_request(p, SamplingParams(max_tokens=4, ignore_eos=True)) for p, _ in workload[:8]]
     engine.run_to_completion(ids)
-    engine.kv.reset_prefix_cache()
+    engine.reset_prefix_cache()
     t = time.perf_counter()
     ids = [engine.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0)) for p, n in workload]
     finals = engine.run_to_completion(ids)
     elapsed = time.perf_counter() - t
     out_tokens = sum(len(finals[i].outputs[0].token_ids) for i in ids)
     single = single_stream_engine(engine, args)
-    from tokenfactory.layers.quant import decode_weight_bytes
 
     return {"dtype": str(engine.dtype).removeprefix("torch."), "quantization": engine.config.quantization,
-            "weight_bytes_resident": engine.runner.weight_bytes,
-            "weight_bytes_read_per_decode_token": decode_weight_bytes(engine.runner.model),
+            "weight_bytes_resident": engine.weight_bytes,
+            "weight_bytes_read_per_decode_token": engine.decode_weight_bytes,
             "kv_bytes_per_token": engine.capacity.bytes_per_token,
             "throughput": {"elapsed_s": elapsed, "output_tokens": out_tokens,
                            "prompt_tokens": sum(len(p) for p, _ in workload),
@@ -106,7 +105,7 @@ def single_stream_engine(engine: Any, args: argparse.Namespace) -> dict[str, Any
 
     prompt = make_workload(1, (args.single_prompt_len,) * 2, (1, 1), engine.model_config.vocab_size,
                            args.seed + 1)[0][0]
-    engine.kv.reset_prefix_cache()
+    engine.reset_prefix_cache()
     rid = engine.add_request(prompt, SamplingParams(max_tokens=args.single_output_len, ignore_eos=True,
                                                     temperature=0))
     times = []

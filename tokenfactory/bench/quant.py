@@ -52,7 +52,7 @@ def random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
 def single_stream(engine: Any, prompt: list[int], output_len: int) -> dict[str, float]:
     from tokenfactory.types import SamplingParams
 
-    engine.kv.reset_prefix_cache()
+    engine.reset_prefix_cache()
     engine.add_request(prompt, SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0))
     times = []
     while engine.has_unfinished_requests:
@@ -67,7 +67,7 @@ def single_stream(engine: Any, prompt: list[int], output_len: int) -> dict[str, 
 def concurrent(engine: Any, prompts: list[list[int]], output_len: int) -> dict[str, float]:
     from tokenfactory.types import SamplingParams
 
-    engine.kv.reset_prefix_cache()
+    engine.reset_prefix_cache()
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0)
     start = time.perf_counter()
     ids = [engine.add_request(p, params) for p in prompts]
@@ -78,7 +78,7 @@ def concurrent(engine: Any, prompts: list[list[int]], output_len: int) -> dict[s
 
 
 def bench_scheme(loaded: Any, scheme: str, args: argparse.Namespace, text_ids: list[int] | None) -> dict[str, Any]:
-    from tokenfactory.layers.quant import QuantOptions, decode_weight_bytes
+    from tokenfactory.layers.quant import QuantOptions
     from tokenfactory.quality.eval import load_engine, perplexity
 
     engine, summary = load_engine(loaded, scheme, dtype=args.dtype, max_model_len=1024,
@@ -90,8 +90,8 @@ def bench_scheme(loaded: Any, scheme: str, args: argparse.Namespace, text_ids: l
     out: dict[str, Any] = {
         "scheme": scheme, "dtype": str(engine.dtype).removeprefix("torch."),
         "layers_by_format": _count(summary.path_to_format.values()),
-        "resident_weight_bytes": engine.runner.weight_bytes,
-        "decode_weight_bytes": decode_weight_bytes(engine.runner.model),
+        "resident_weight_bytes": engine.weight_bytes,
+        "decode_weight_bytes": engine.decode_weight_bytes,
         "kv_bytes_per_token": engine.capacity.bytes_per_token,
         "single_stream": single_stream(engine, prompts[0], args.output_len),
         f"concurrent_{args.concurrency}": concurrent(engine, prompts, args.output_len),

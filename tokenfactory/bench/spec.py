@@ -63,7 +63,7 @@ def decode_tps(out: Any) -> float:
 
 
 def spec_counters(engine: Any) -> dict[str, Any]:
-    m = engine.speculator.metrics()
+    m = engine.stats().speculative
     if m is None:
         return {}
     return {"drafts": m.num_drafts, "draft_tokens": m.num_draft_tokens, "accepted_tokens": m.num_accepted_tokens,

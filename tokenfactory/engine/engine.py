@@ -28,7 +28,7 @@ from tokenfactory.engine.sampler import SampledToken, Sampler
 from tokenfactory.engine.scheduler import POLICIES, Scheduler, SchedulerOutput, make_policy
 from tokenfactory.engine.sequence import Sequence
 from tokenfactory.engine.speculative import NoSpeculation, SpecHost, build_speculator
-from tokenfactory.layers.quant import QuantOptions
+from tokenfactory.layers.quant import QuantOptions, QuantSummary, decode_weight_bytes
 from tokenfactory.models.loader import LoadedModel, load_model
 from tokenfactory.models.tokenizer import Tokenizer
 from tokenfactory.types import (
@@ -164,6 +164,24 @@ class LLMEngine:
         return ModelInfo(self.model_path, self.max_model_len, self.model_config.vocab_size, self.model_config,
                          device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
                          eos_token_ids=tuple(sorted(self.eos_token_ids)))
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the weights hold resident (packed and any dense copy)."""
+        return self.runner.weight_bytes
+
+    @property
+    def decode_weight_bytes(self) -> int:
+        """Weight bytes one decode step reads (what bounds single-stream speed)."""
+        return decode_weight_bytes(self.runner.model)
+
+    @property
+    def quant_summary(self) -> QuantSummary | None:
+        return self.runner.quant_summary
+
+    def reset_prefix_cache(self) -> None:
+        """Forget cached prefixes (benchmarks and evaluations that must not hit an earlier run's blocks)."""
+        self.kv.reset_prefix_cache()
 
     def set_tenant_weight(self, tenant: str, weight: float) -> None:
         """The fair-share weight of the tenant's future service (policies without weights ignore it)."""

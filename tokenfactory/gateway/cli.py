@@ -234,7 +234,7 @@ def serve(args: argparse.Namespace) -> int:
     print(f"tokenfactory serving {name}\n"
           f"  model   {engine.model_path}\n"
           f"  device  {engine.device} ({str(engine.dtype).removeprefix('torch.')}), "
-          f"{engine.runner.weight_bytes / 2**20:.0f} MiB of weights\n"
+          f"{engine.weight_bytes / 2**20:.0f} MiB of weights\n"
           f"  KV      {cap.num_tokens} tokens in {cap.num_blocks} blocks ({cap.total_bytes / 2**30:.2f} GiB); "
           f"max_model_len {cap.max_model_len} -> {cap.max_concurrent_seqs:.1f} sequences at full length\n"
           f"  power   {power}\n"

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from tokenfactory.config import EngineConfig
 from tokenfactory.engine.engine import LLMEngine
-from tokenfactory.layers.quant import QuantOptions, QuantSummary, decode_weight_bytes
+from tokenfactory.layers.quant import QuantOptions, QuantSummary
 from tokenfactory.models.loader import LoadedModel
 from tokenfactory.types import ParameterError, SamplingParams
 
@@ -92,7 +92,7 @@ def load_engine(loaded: LoadedModel, quantization: str, *, dtype: str = "auto", 
     config = EngineConfig(model=str(loaded.path), dtype=dtype, max_model_len=max_model_len,
                           max_num_seqs=max_num_seqs, quantization=quantization, quantization_dense=options.dense)
     engine = LLMEngine(config, loaded)
-    return engine, engine.runner.quant_summary
+    return engine, engine.quant_summary
 
 
 def perplexity(engine: LLMEngine, token_ids: list[list[int]], window: int = DEFAULT_WINDOW) -> tuple[float, int]:
@@ -139,7 +139,7 @@ def evaluate(loaded: LoadedModel, quantization: str, texts: list[str], text_sour
     return EvalResult(model=str(loaded.path), quantization=quantization, dtype=str(engine.dtype).removeprefix("torch."),
                       text_source=text_source, text_sha256=digest, num_scored_tokens=num_scored, perplexity=ppl,
                       max_tokens=max_tokens, prompts=list(prompts), greedy_tokens=greedy,
-                      decode_weight_bytes=decode_weight_bytes(engine.runner.model),
+                      decode_weight_bytes=engine.decode_weight_bytes,
                       elapsed_s=time.perf_counter() - start, layers=summary.path_to_format)
 
 
