@@ -146,15 +146,21 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def check_prompt(self, token_ids: list[int]) -> None:
-        """Non-empty, ids in the vocabulary, and room for at least one generated token."""
+        """Ids in the vocabulary, non-empty, and room for at least one generated token."""
+        self.check_token_ids(token_ids)
+        self.check_prompt_length(len(token_ids))
+
+    def check_token_ids(self, token_ids: list[int]) -> None:
         vocab = self.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
             raise ParameterError("prompt", f"prompt token ids must be integers in [0, {vocab})")
-        if not token_ids:
+
+    def check_prompt_length(self, num_prompt_tokens: int) -> None:
+        if num_prompt_tokens == 0:
             raise ParameterError("prompt", "the prompt is empty: it needs at least one model token")
-        if len(token_ids) >= self.max_model_len:
+        if num_prompt_tokens >= self.max_model_len:
             raise ParameterError(
-                "prompt", f"the prompt has {len(token_ids)} model tokens but this model's context window "
+                "prompt", f"the prompt has {num_prompt_tokens} model tokens but this model's context window "
                 f"(max_model_len) is {self.max_model_len} tokens, which must also leave room for at least "
                 f"one generated token; shorten the prompt")
 

@@ -85,6 +85,9 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(loaded.config.eos_token_ids)
         self.capacity: KVCapacity = plan_kv_cache(loaded.config, config, self.device, self.dtype)
         self.max_model_len = self.capacity.max_model_len
+        self.info = ModelInfo(self.model_path, self.max_model_len, loaded.config.vocab_size, loaded.config,
+                              device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
+                              eos_token_ids=tuple(sorted(self.eos_token_ids)))
         self.kv = BlockManager(self.capacity.num_blocks, config.block_size, config.enable_prefix_caching)
         if config.scheduling_policy not in POLICIES:
             raise ParameterError("scheduling_policy", f"scheduling_policy must be one of {sorted(POLICIES)}, "
@@ -126,9 +129,7 @@ class LLMEngine:
                 raise ParameterError("prompt", "a prompt given as a dict needs 'prompt_token_ids'")
             prompt = prompt["prompt_token_ids"]
         ids = list(prompt)
-        vocab = self.model_config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-            raise ParameterError("prompt", f"prompt token ids must be integers in [0, {vocab})")
+        self.info.check_token_ids(ids)
         return None, ids
 
     def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
@@ -158,12 +159,6 @@ class LLMEngine:
     def check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: values that depend on this model."""
         self.info.check_params(params)
-
-    @property
-    def info(self) -> ModelInfo:
-        return ModelInfo(self.model_path, self.max_model_len, self.model_config.vocab_size, self.model_config,
-                         device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
-                         eos_token_ids=tuple(sorted(self.eos_token_ids)))
 
     @property
     def weight_bytes(self) -> int:
@@ -229,13 +224,7 @@ class LLMEngine:
             self.kv.free(seq_id)
 
     def check_prompt_length(self, num_prompt_tokens: int) -> None:
-        if num_prompt_tokens == 0:
-            raise ParameterError("prompt", "the prompt is empty: it needs at least one model token")
-        if num_prompt_tokens >= self.max_model_len:
-            raise ParameterError(
-                "prompt", f"the prompt has {num_prompt_tokens} model tokens but this model's context window "
-                f"(max_model_len) is {self.max_model_len} tokens, which must also leave room for at least "
-                f"one generated token; shorten the prompt")
+        self.info.check_prompt_length(num_prompt_tokens)
 
     def abort_request(self, request_id: str) -> None:
         """Stop work on a request now; its KV blocks are freed before this returns."""
