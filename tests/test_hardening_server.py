@@ -47,7 +47,7 @@ def raw_request(port: int, body: dict, rcvbuf: int | None = None) -> socket.sock
 
 @pytest.mark.slow
 def test_a_client_that_stops_reading_is_dropped_aborted_and_billed(tmp_path) -> None:
-    server = start_server(tmp_path, "--stream-send-timeout", "2")
+    server = start_server(tmp_path, "--stream-send-timeout", "2", "--send-buffer", "4096")  # fills in ~100 chunks
     try:
         httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "warm", "max_tokens": 2})
         rss_before = rss_bytes(server.proc.pid)
