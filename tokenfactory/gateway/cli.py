@@ -38,9 +38,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default="auto",
                    help="weights: auto (a GGUF keeps its own quantization), none, int8, int4, int4-g64, ...")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--single-thread-step-tokens", type=int, default=4,
-                   help="run steps of at most this many tokens on one CPU thread (0: off); the server's event loop "
-                        "shares the cores, and small steps gain nothing from a second thread")
+    p.add_argument("--single-thread-step-tokens", type=int, default=0,
+                   help="run steps of at most this many tokens on one CPU thread (0: off, the default: with the "
+                        "engine built and stepped on its own thread, small steps gain from every core; see "
+                        "docs/benchmarks.md)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for the engine's kernels (default: PyTorch's, one per core). On a machine "
                         "whose cores are also busy with other work, fewer threads avoid OpenMP's spin-wait collapse")
@@ -140,9 +141,14 @@ def served_name(model_path: str, explicit: str | None) -> str:
     return re.sub(r"\.(Q\d\w*|F16|F32|BF16)?\.?gguf$", "", name, flags=re.IGNORECASE).rstrip(".") or name
 
 
-def make_engine(config, loaded, step_listeners: Sequence[Callable]):  # noqa: ANN001, ANN201 - LLMEngine (lazy)
+def make_engine(config, loaded, step_listeners: Sequence[Callable], threads: int | None = None):  # noqa: ANN001, ANN201
+    """The LLMEngine (imported lazily), on the calling thread: the one that will step it."""
     from tokenfactory.engine.engine import LLMEngine
 
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
     return LLMEngine(config, loaded, step_listeners=step_listeners)
 
 
@@ -153,10 +159,6 @@ def load_checked(args: argparse.Namespace):  # noqa: ANN201 - (EngineConfig, Loa
     from tokenfactory.planner.doctor import preflight, raise_on_errors
 
     config = engine_config_from_args(args)
-    if getattr(args, "threads", None):
-        import torch
-
-        torch.set_num_threads(args.threads)
     loaded = load_model(config.model)
     device = resolve_device(config.device)
     dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[str(resolve_dtype(config.dtype, device))[6:]]
@@ -209,13 +211,13 @@ def serve(args: argparse.Namespace) -> int:
         config, loaded = load_checked(args)
         name = served_name(str(loaded.path), args.served_model_name)
         accounting, power, prices = build_accounting(args, loaded.config, resolve_device(config.device).type, name)
-        engine = make_engine(config, loaded, [accounting.meter.on_step])
-        engine.warmup()
+        # Built, warmed up and stepped on one thread (AsyncEngine.launch says why).
+        async_engine = AsyncEngine.launch(lambda: make_engine(config, loaded, [accounting.meter.on_step],
+                                                              getattr(args, "threads", None)))
     except (ValueError, FileNotFoundError, OSError, SQLAlchemyError) as e:
         print(f"tokenfactory serve: cannot start: {e}", file=sys.stderr)
         return 2
-    async_engine = AsyncEngine(engine)
-    async_engine.start()
+    engine = async_engine.engine  # for the banner: capacity, device, weights
     if args.scheduling_policy == "vtc-joules":  # the meter's measured joules charge the tenants' counters
         accounting.meter.energy_listeners.append(lambda joules: async_engine.send(ChargeEnergy(joules)))
 
