@@ -48,7 +48,6 @@ class ServerSettings:
     stream_send_timeout_s: float = 30.0  # a streaming client that takes no data this long is dropped
 
 
-
 @dataclass
 class Prepared:
     """One prompt, tokenized and checked, ready for the engine."""
@@ -59,6 +58,8 @@ class Prepared:
 
 
 class Handler:
+    """The routes' work (see the module's docstring); `background` holds the settlements still running."""
+
     def __init__(self, engine: EngineClient, settings: ServerSettings, metrics: ServerMetrics,
                  accounting: Accounting | None = None, tenancy: Tenancy | None = None) -> None:
         self.engine, self.settings, self.metrics, self.accounting = engine, settings, metrics, accounting
