@@ -47,6 +47,7 @@ from tokenfactory.engine.client import (
     SetTenantWeight,
     Shutdown,
 )
+from tokenfactory.engine.output_stream import OutputStream, RequestFailed
 from tokenfactory.types import (
     CompletionOutput,
     FinishReason,
@@ -156,54 +157,6 @@ class FakeTokenizer:
         return "".join(parts) + ("<|assistant|>\n" if add_generation_prompt else "")
 
 
-# -- the output stream (async_engine.OutputStream's contract) ---------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Failed:
-    message: str
-    fatal: bool = False
-
-
-def _merge(old: RequestOutput, new: RequestOutput) -> RequestOutput:
-    """`new`'s state with both outputs' deltas (an output the reader has not taken yet, then the next)."""
-    by_index = {c.index: c for c in old.outputs}
-    merged = []
-    for c in new.outputs:
-        o = by_index.get(c.index)
-        if o is None:
-            merged.append(c)
-            continue
-        logprobs = None if c.logprobs_delta is None else (o.logprobs_delta or []) + c.logprobs_delta
-        merged.append(dataclasses.replace(c, text_delta=o.text_delta + c.text_delta,
-                                          token_ids_delta=o.token_ids_delta + c.token_ids_delta,
-                                          logprobs_delta=logprobs))
-    return dataclasses.replace(new, outputs=merged)
-
-
-class _Stream:
-    def __init__(self) -> None:
-        self.pending: RequestOutput | _Failed | None = None
-        self.ready = asyncio.Event()
-        self.num_merged = 0
-
-    def put(self, item: RequestOutput | _Failed) -> None:
-        if isinstance(self.pending, RequestOutput) and isinstance(item, RequestOutput):
-            item = _merge(self.pending, item)
-            self.num_merged += 1
-        elif isinstance(self.pending, _Failed):
-            return  # a failure is final
-        self.pending = item
-        self.ready.set()
-
-    async def get(self) -> RequestOutput | _Failed:
-        await self.ready.wait()
-        item, self.pending = self.pending, None
-        self.ready.clear()
-        assert item is not None
-        return item
-
-
 # -- engine-thread state --------------------------------------------------------------------------------------
 
 
@@ -259,7 +212,7 @@ class FakeEngineClient:
         self.num_kv_blocks, self.block_size, self.step_s = num_kv_blocks, block_size, step_s
         self.step_listeners: list[Callable[[StepStats], None]] = list(step_listeners)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.streams: dict[str, tuple[asyncio.AbstractEventLoop, _Stream]] = {}
+        self.streams: dict[str, tuple[asyncio.AbstractEventLoop, OutputStream]] = {}
         self._thread = threading.Thread(target=self._loop, name="fake-engine", daemon=True)
         self._dead_reason: str | None = None
         self._unpaused = threading.Event()
@@ -322,7 +275,7 @@ class FakeEngineClient:
         """As AsyncEngine.generate: leaving early aborts the request."""
         if not self.is_alive:
             raise EngineDeadError(self._dead_reason or "the engine is not running")
-        stream = _Stream()
+        stream = OutputStream()
         self.streams[request.request_id] = (asyncio.get_running_loop(), stream)
         self.num_added += 1
         self.inbox.put(request)
@@ -330,7 +283,7 @@ class FakeEngineClient:
         try:
             while True:
                 item = await stream.get()
-                if isinstance(item, _Failed):
+                if isinstance(item, RequestFailed):
                     finished = True
                     raise (EngineDeadError if item.fatal else RequestError)(item.message)
                 finished = item.finished
@@ -384,7 +337,7 @@ class FakeEngineClient:
         self._stats = self._snapshot()
         reason = self._dead_reason or "the engine was shut down"
         for request_id in list(self.streams):
-            self._deliver(request_id, _Failed(reason, fatal=True))
+            self._deliver(request_id, RequestFailed(request_id, reason, fatal=True))
 
     def _drain_inbox(self, block: bool) -> bool:
         while True:
@@ -417,7 +370,7 @@ class FakeEngineClient:
             self._info.check_prompt(msg.prompt_token_ids)
             self._info.check_params(msg.params)
         except ValueError as e:
-            self._deliver(msg.request_id, _Failed(str(e)))
+            self._deliver(msg.request_id, RequestFailed(msg.request_id, str(e)))
             return
         skip = msg.params.skip_special_tokens
         seqs = [_Seq(msg.request_id, i, msg.params, len(msg.prompt_token_ids), self._tokenizer.decode_stream(skip))
@@ -573,7 +526,7 @@ class FakeEngineClient:
         for seq in state.seqs:
             self._finish(seq, FinishReason.ERROR)
         self.num_failed_requests += 1
-        self._deliver(state.add.request_id, _Failed(message))
+        self._deliver(state.add.request_id, RequestFailed(state.add.request_id, message))
 
     def _record_step(self, start: float, work: list[SequenceWork]) -> None:
         num_prefill = sum(w.num_new_tokens for w in work if w.is_prefill)
@@ -601,7 +554,7 @@ class FakeEngineClient:
             last_step_tokens=last.num_batched_tokens if last is not None else 0,
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens)
 
-    def _deliver(self, request_id: str, item: RequestOutput | _Failed) -> None:
+    def _deliver(self, request_id: str, item: RequestOutput | RequestFailed) -> None:
         target = self.streams.get(request_id)
         if target is None:
             if isinstance(item, RequestOutput) and not item.finished:

@@ -24,7 +24,6 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
 from tokenfactory.engine.client import (
     AbortRequest,
@@ -39,6 +38,7 @@ from tokenfactory.engine.client import (
     Shutdown,
 )
 from tokenfactory.engine.engine import LLMEngine
+from tokenfactory.engine.output_stream import OutputStream, RequestFailed
 from tokenfactory.models.tokenizer import Tokenizer
 from tokenfactory.types import RequestOutput
 
@@ -47,56 +47,6 @@ logger = logging.getLogger(__name__)
 STATS_INTERVAL_S = 0.05
 
 __all__ = ["AbortRequest", "AddRequest", "AsyncEngine", "EngineDeadError", "OutputStream", "RequestError"]
-
-
-@dataclass(frozen=True)
-class RequestFailed:
-    """Sent to a request's stream when the engine could not take it, failed it, or stopped (`fatal`)."""
-
-    request_id: str
-    message: str
-    fatal: bool = False
-
-
-def merge_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
-    """`new`'s state with the deltas of both (an output the reader has not taken yet, then the next)."""
-    by_index = {c.index: c for c in old.outputs}
-    merged = []
-    for c in new.outputs:
-        o = by_index.get(c.index)
-        if o is None:
-            merged.append(c)
-            continue
-        logprobs = None if c.logprobs_delta is None else (o.logprobs_delta or []) + c.logprobs_delta
-        merged.append(dataclasses.replace(c, text_delta=o.text_delta + c.text_delta,
-                                          token_ids_delta=o.token_ids_delta + c.token_ids_delta,
-                                          logprobs_delta=logprobs))
-    return dataclasses.replace(new, outputs=merged)
-
-
-class OutputStream:
-    """One request's outputs, for the event loop: at most one pending item (see the module's docstring)."""
-
-    def __init__(self) -> None:
-        self.pending: RequestOutput | RequestFailed | None = None
-        self.ready = asyncio.Event()
-        self.num_merged = 0
-
-    def put(self, item: RequestOutput | RequestFailed) -> None:
-        if isinstance(self.pending, RequestOutput) and isinstance(item, RequestOutput):
-            item = merge_outputs(self.pending, item)
-            self.num_merged += 1
-        elif isinstance(self.pending, RequestFailed):
-            return  # a failure is final
-        self.pending = item
-        self.ready.set()
-
-    async def get(self) -> RequestOutput | RequestFailed:
-        await self.ready.wait()
-        item, self.pending = self.pending, None
-        self.ready.clear()
-        assert item is not None
-        return item
 
 
 class AsyncEngine:

@@ -1,0 +1,65 @@
+"""One request's outputs on the way to the event loop: at most one pending item, a slow reader's merged.
+
+The engine side (a thread, or a replica's receiver) calls `put` through `loop.call_soon_threadsafe`; the
+request's handler awaits `get`. When the reader has not taken the last output yet, the next is merged into
+it (the newest whole state, the deltas joined), so a client that reads slowly costs one output's memory
+whatever its speed, never a queue of copies. A `RequestFailed` is final. No torch: any EngineClient may use it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from dataclasses import dataclass
+
+from tokenfactory.types import RequestOutput
+
+
+@dataclass(frozen=True)
+class RequestFailed:
+    """Sent to a request's stream when the engine could not take it, failed it, or stopped (`fatal`)."""
+
+    request_id: str
+    message: str
+    fatal: bool = False
+
+
+def merge_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
+    """`new`'s state with the deltas of both (an output the reader has not taken yet, then the next)."""
+    by_index = {c.index: c for c in old.outputs}
+    merged = []
+    for c in new.outputs:
+        o = by_index.get(c.index)
+        if o is None:
+            merged.append(c)
+            continue
+        logprobs = None if c.logprobs_delta is None else (o.logprobs_delta or []) + c.logprobs_delta
+        merged.append(dataclasses.replace(c, text_delta=o.text_delta + c.text_delta,
+                                          token_ids_delta=o.token_ids_delta + c.token_ids_delta,
+                                          logprobs_delta=logprobs))
+    return dataclasses.replace(new, outputs=merged)
+
+
+class OutputStream:
+    """One request's outputs, for the event loop: at most one pending item (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self.pending: RequestOutput | RequestFailed | None = None
+        self.ready = asyncio.Event()
+        self.num_merged = 0
+
+    def put(self, item: RequestOutput | RequestFailed) -> None:
+        if isinstance(self.pending, RequestOutput) and isinstance(item, RequestOutput):
+            item = merge_outputs(self.pending, item)
+            self.num_merged += 1
+        elif isinstance(self.pending, RequestFailed):
+            return  # a failure is final
+        self.pending = item
+        self.ready.set()
+
+    async def get(self) -> RequestOutput | RequestFailed:
+        await self.ready.wait()
+        item, self.pending = self.pending, None
+        self.ready.clear()
+        assert item is not None
+        return item
