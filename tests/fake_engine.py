@@ -43,11 +43,10 @@ from tokenfactory.engine.client import (
     EngineDeadError,
     EngineStats,
     ModelInfo,
-    RequestError,
     SetTenantWeight,
     Shutdown,
 )
-from tokenfactory.engine.output_stream import OutputStream, RequestFailed
+from tokenfactory.engine.output_stream import OutputStream, RequestFailed, read_outputs
 from tokenfactory.types import (
     CompletionOutput,
     FinishReason,
@@ -271,29 +270,24 @@ class FakeEngineClient:
         waiting = s.num_waiting + self.num_added - self.num_taken
         return dataclasses.replace(s, num_waiting=waiting, alive=self.is_alive, dead_reason=self._dead_reason)
 
-    async def generate(self, request: AddRequest) -> AsyncIterator[RequestOutput]:
-        """As AsyncEngine.generate: leaving early aborts the request."""
-        if not self.is_alive:
-            raise EngineDeadError(self._dead_reason or "the engine is not running")
+    def generate(self, request: AddRequest) -> AsyncIterator[RequestOutput]:
+        """Queue a request (at the first iteration) and yield its outputs as steps produce them. Leaving the
+        iterator early (the client went away, the task was cancelled) aborts the request and frees its blocks."""
         stream = OutputStream()
-        self.streams[request.request_id] = (asyncio.get_running_loop(), stream)
-        self.num_added += 1
-        self.inbox.put(request)
-        finished = False
-        try:
-            while True:
-                item = await stream.get()
-                if isinstance(item, RequestFailed):
-                    finished = True
-                    raise (EngineDeadError if item.fatal else RequestError)(item.message)
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
+
+        def start() -> None:
+            if not self.is_alive:
+                raise EngineDeadError(self._dead_reason or "the engine is not running")
+            self.streams[request.request_id] = (asyncio.get_running_loop(), stream)
+            self.num_added += 1
+            self.inbox.put(request)
+
+        def close(finished: bool) -> None:
             self.streams.pop(request.request_id, None)
             if not finished:
                 self.inbox.put(AbortRequest(request.request_id))
+
+        return read_outputs(stream, start, close)
 
     # -- test controls (any thread) ---------------------------------------------------------------------------
 

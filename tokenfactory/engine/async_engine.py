@@ -38,7 +38,7 @@ from tokenfactory.engine.client import (
     Shutdown,
 )
 from tokenfactory.engine.engine import LLMEngine
-from tokenfactory.engine.output_stream import OutputStream, RequestFailed
+from tokenfactory.engine.output_stream import OutputStream, RequestFailed, read_outputs
 from tokenfactory.models.tokenizer import Tokenizer
 from tokenfactory.types import RequestOutput
 
@@ -147,30 +147,24 @@ class AsyncEngine:
         waiting = s.num_waiting + self.num_added - self.num_taken  # requests still in the inbox count too
         return dataclasses.replace(s, num_waiting=waiting, alive=self.is_alive, dead_reason=self._dead_reason)
 
-    async def generate(self, request: AddRequest) -> AsyncIterator[RequestOutput]:
-        """Queue a request and yield its outputs as steps produce them. Leaving the iterator early
-        (the client went away, the task was cancelled) aborts the request and frees its blocks."""
-        if not self.is_alive:
-            raise EngineDeadError(self._dead_reason or "the engine is not running")
+    def generate(self, request: AddRequest) -> AsyncIterator[RequestOutput]:
+        """Queue a request (at the first iteration) and yield its outputs as steps produce them. Leaving the
+        iterator early (the client went away, the task was cancelled) aborts the request and frees its blocks."""
         stream = OutputStream()
-        self.streams[request.request_id] = (asyncio.get_running_loop(), stream)
-        self.num_added += 1
-        self.inbox.put(request)
-        finished = False
-        try:
-            while True:
-                item = await stream.get()
-                if isinstance(item, RequestFailed):
-                    finished = True  # the engine holds nothing of it any more
-                    raise (EngineDeadError if item.fatal else RequestError)(item.message)
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
+
+        def start() -> None:
+            if not self.is_alive:
+                raise EngineDeadError(self._dead_reason or "the engine is not running")
+            self.streams[request.request_id] = (asyncio.get_running_loop(), stream)
+            self.num_added += 1
+            self.inbox.put(request)
+
+        def close(finished: bool) -> None:
             self.streams.pop(request.request_id, None)
             if not finished:
                 self.inbox.put(AbortRequest(request.request_id))
+
+        return read_outputs(stream, start, close)
 
     # -- engine thread ----------------------------------------------------------------------------------
 

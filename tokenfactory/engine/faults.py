@@ -45,6 +45,8 @@ class FaultIsolator:
 
     def isolated(self, live: Container[str]) -> str | None:
         """The request the next step must run alone (None: schedule normally)."""
+        if not self.suspects:  # every step asks: nothing to allocate when all is well
+            return None
         self.suspects = [r for r in self.suspects if r in live]
         return self.suspects[0] if self.suspects else None
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from tokenfactory.engine.client import EngineDeadError, RequestError
 from tokenfactory.types import RequestOutput
 
 
@@ -63,3 +65,28 @@ class OutputStream:
         self.ready.clear()
         assert item is not None
         return item
+
+
+def read_outputs(stream: OutputStream, start: Callable[[], None], close: Callable[[bool], None]
+                 ) -> AsyncIterator[RequestOutput]:
+    """A request's outputs from its stream, as an EngineClient's `generate` yields them: `start()` (register the
+    stream, send the request) runs at the first iteration, not before; a failure raises RequestError, or
+    EngineDeadError when fatal; `close(finished)` always runs after a start, so leaving early can abort."""
+
+    async def outputs() -> AsyncIterator[RequestOutput]:
+        start()
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, RequestFailed):
+                    finished = True  # the engine holds nothing of it any more
+                    raise (EngineDeadError if item.fatal else RequestError)(item.message)
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            close(finished)
+
+    return outputs()
