@@ -62,3 +62,36 @@ def test_bad_prices_name_the_key(tmp_path):
         load_prices(bad)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_prices(tmp_path / "missing.toml")
+
+
+def test_a_gpu_server_is_never_priced_at_the_cpu_rate():
+    """serve passes the device type and torch's name of the card (gateway/cli.py build_accounting): a
+    CUDA device gets its matched profile, or the generic GPU one, never the CPU's."""
+    cpu = load_prices(device_type="cpu").device
+    h100 = load_prices(device_name="NVIDIA H100 80GB HBM3", device_type="cuda").device
+    unknown = load_prices(device_name="NVIDIA Future X9", device_type="cuda").device
+    assert cpu.profile == "cpu" and h100.profile == "h100" and unknown.profile == "gpu"
+    assert unknown.usd_per_hour > cpu.usd_per_hour and unknown.source
+    assert load_prices(device="h100-owned", device_type="cuda").device.profile == "h100-owned"  # explicit wins
+    prices = load_prices(device_name="NVIDIA H200", device_type="cuda")
+    assert prices.device_cost_usd(3600.0) == pytest.approx(3.50)  # an hour of device time at the H200 rate
+
+
+def test_serve_selects_the_profile_from_the_cuda_device_name(monkeypatch, tmp_path):
+    import argparse
+
+    import torch
+
+    from tests.fake_engine import FAKE_MODEL_CONFIG
+    from tokenfactory.gateway.cli import accelerator_name, build_accounting
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    assert accelerator_name("cuda") == "NVIDIA H100 80GB HBM3" and accelerator_name("cpu") is None
+    args = argparse.Namespace(power_source="constant", power_watts=100.0, cpu_tdp_watts=None, prices=None,
+                              device_profile=None, data_dir=str(tmp_path), database_url=None)
+    accounting, _, prices_line = build_accounting(args, FAKE_MODEL_CONFIG, "cuda", "m")
+    try:
+        assert accounting.meter.prices.device.profile == "h100" and "h100" in prices_line
+    finally:
+        accounting.meter.close()
+        accounting.close()

@@ -189,10 +189,19 @@ def build_accounting(args: argparse.Namespace, model_config, device_type: str, n
     for reason in choice.skipped:
         logger.info("power: %s", reason)
     prices = load_prices(Path(args.prices) if args.prices else None, device=args.device_profile,
-                         device_name=None if device_type == "cpu" else "cuda")
+                         device_name=accelerator_name(device_type), device_type=device_type)
     meter = Meter(choice.source, model_config, prices).start()
     ledger = Ledger.open(args.data_dir, url=args.database_url)
     return Accounting(meter, ledger, name), choice.source.describe(), prices.describe()
+
+
+def accelerator_name(device_type: str) -> str | None:
+    """The accelerator's marketing name ("NVIDIA H100 80GB HBM3"), which selects its price profile."""
+    if device_type != "cuda":
+        return None
+    import torch
+
+    return torch.cuda.get_device_name()
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -27,6 +27,7 @@ DEFAULT_PRICES_PATH = Path(__file__).with_name("prices.toml")
 PRICES_ENV = "TOKENFACTORY_PRICES"
 HOURS_PER_YEAR = 8766.0  # 365.25 · 24
 J_PER_KWH = 3.6e6
+GENERIC_GPU_PROFILE = "gpu"  # an accelerator that no profile's `match` names
 
 
 def owned_usd_per_hour(purchase_usd: float, lifetime_years: float, utilisation: float) -> float:
@@ -81,12 +82,13 @@ def load_price_table(path: Path | None = None) -> dict[str, Any]:
     return table
 
 
-def load_prices(path: Path | None = None, device: str | None = None, device_name: str | None = None) -> Prices:
-    """Prices for one device profile: `device` names it; else the first profile whose `match`
-    substrings occur in `device_name` (e.g. NVML's "NVIDIA H100 80GB HBM3"); else "cpu"."""
+def load_prices(path: Path | None = None, device: str | None = None, device_name: str | None = None,
+                device_type: str = "cpu") -> Prices:
+    """Prices for one device profile: `device` names it; else select_device_profile(device_type,
+    device_name)."""
     table = load_price_table(path)
     profiles = table.get("devices", {})
-    profile = device if device is not None else match_device_profile(profiles, device_name)
+    profile = device if device is not None else select_device_profile(profiles, device_type, device_name)
     if profile not in profiles:
         raise ParameterError("device_profile", f"device_profile {profile!r} is not in the prices file; "
                                                f"known: {', '.join(sorted(profiles))}")
@@ -101,6 +103,17 @@ def load_prices(path: Path | None = None, device: str | None = None, device_name
         electricity_source=str(electricity.get("source", "unknown")),
         path=f"{DEFAULT_PRICES_PATH}" + (f" + {override}" if override else ""),
     )
+
+
+def select_device_profile(profiles: dict[str, Any], device_type: str, device_name: str | None) -> str:
+    """The profile for the device a server runs on: the first whose `match` substrings occur in its name
+    (torch's or NVML's, e.g. "NVIDIA H100 80GB HBM3"); an accelerator no profile matches gets the generic
+    "gpu" profile, never the CPU's rate (serving on a GPU used to be priced as a CPU unless
+    --device-profile was given); a CPU gets "cpu"."""
+    matched = match_device_profile(profiles, device_name)
+    if matched == "cpu" and device_type != "cpu" and GENERIC_GPU_PROFILE in profiles:
+        return GENERIC_GPU_PROFILE
+    return matched
 
 
 def match_device_profile(profiles: dict[str, Any], device_name: str | None) -> str:
