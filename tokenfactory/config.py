@@ -92,6 +92,9 @@ class EngineConfig:
     # other busy threads, as in a server (its event loop, clients on the same machine); `serve` turns it on.
     single_thread_step_tokens: int = 0
     scheduling_policy: str = "fcfs"
+    # Of max_num_seqs, the share of seats kept for the batch priority band while it has work (engine/scheduler.py):
+    # batch jobs still finish on a busy server; interactive work never waits for the rest.
+    batch_min_share: float = 0.1
     # Speculative decoding: "none", "ngram", "draft:PATH" or "self-int4" (tokenfactory.engine.speculative,
     # validated there); up to num_speculative_tokens drafted tokens per sequence and step.
     speculative: str = "none"
@@ -113,6 +116,8 @@ class EngineConfig:
                                  f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ParameterError("dtype", f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if not 0.0 <= self.batch_min_share <= 1.0:
+            raise ParameterError("batch_min_share", f"batch_min_share must be in [0, 1], got {self.batch_min_share}")
         mem = self.kv_cache_memory
         if isinstance(mem, float) and not 0.0 < mem <= 1.0:
             raise ParameterError("kv_cache_memory",

@@ -94,7 +94,7 @@ class LLMEngine:
                                  f"got {config.scheduling_policy!r}")
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, make_policy(config.scheduling_policy, loaded.config),
-                                   eos_token_ids=self.eos_token_ids)
+                                   eos_token_ids=self.eos_token_ids, batch_min_share=config.batch_min_share)
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
         self.runner = ModelRunner(loaded.config, loaded.weights, device=self.device, dtype=self.dtype,
                                   num_blocks=self.capacity.num_blocks, block_size=config.block_size,

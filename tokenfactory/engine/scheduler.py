@@ -9,10 +9,18 @@ the KV pool runs dry, the newest running sequence is preempted by recompute: its
 
 Which *tenant's* request enters is admission's business (the gateway); the order of the waiting queue
 is the pluggable `SchedulingPolicy` here, the seam for priorities and fair share.
+
+The batch band (`BANDS["batch"]`: offline jobs) fills idle capacity and gives way within one step, whatever
+the policy: running batch sequences are served after the others and are the first victims when blocks run
+out; a waiting non-batch sequence that finds no seat (`max_num_seqs`) or no blocks preempts the newest
+running batch sequence in the same step; waiting non-batch sequences are admitted before waiting batch
+ones. `batch_min_share` keeps ceil(share x max_num_seqs) seats for batch work while it has any, so a busy
+server still finishes it: non-batch sequences never preempt batch below that, nor are admitted into it.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping
@@ -23,7 +31,9 @@ from tokenfactory.config import FlopShape
 from tokenfactory.engine.fair import FairPolicy, JoulesFairPolicy
 from tokenfactory.engine.kv_cache import BlockManager, PrefixHit
 from tokenfactory.engine.sequence import Draft, Sequence, SequenceStatus
-from tokenfactory.types import FinishReason
+from tokenfactory.types import BANDS, FinishReason, ParameterError
+
+BATCH_BAND = BANDS["batch"]
 
 
 class SchedulingPolicy(Protocol):
@@ -119,8 +129,12 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, policy: SchedulingPolicy | None = None,
-                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+                 eos_token_ids: frozenset[int] = frozenset(), batch_min_share: float = 0.0) -> None:
+        if not 0.0 <= batch_min_share <= 1.0:
+            raise ParameterError("batch_min_share", f"batch_min_share must be in [0, 1], got {batch_min_share}")
         self.kv = block_manager
+        # Seats kept for the batch band while it has work (the module's docstring).
+        self.num_batch_seats = math.ceil(batch_min_share * max_num_seqs)
         self.eos_token_ids = eos_token_ids
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -144,6 +158,11 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         drafts = drafts or {}
+        # Batch sequences last (stable: oldest first within each group), so they are served after the
+        # others and the newest batch sequence is the first victim when blocks run out.
+        self.running.sort(key=lambda s: s.priority >= BATCH_BAND)
+        self._yield_seats(out)
+        num_yielded = len(out.preempted)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -167,7 +186,7 @@ class Scheduler:
                 i += 1
                 continue
             break  # preempted itself: nothing behind it can be served either
-        if not out.preempted:
+        if len(out.preempted) == num_yielded:  # no sequence preempted for lack of blocks
             budget = self._admit_waiting(out, budget)
         for chunk in out.chunks:
             self.waiting.on_scheduled(chunk.seq, chunk.num_new_tokens)
@@ -183,9 +202,47 @@ class Scheduler:
             return None
         return ScheduledChunk(seq, 1 + k, seq.num_computed_tokens, draft.head(k))
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+    def _batch_demand(self) -> tuple[int, int]:
+        """(waiting non-batch sequences, batch seats to keep): what the batch band must make room for."""
+        num_waiting_other = num_waiting_batch = 0
         for seq in self.waiting:
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+            if seq.priority >= BATCH_BAND:
+                num_waiting_batch += 1
+            else:
+                num_waiting_other += 1
+        num_running_batch = sum(1 for s in self.running if s.priority >= BATCH_BAND)
+        return num_waiting_other, min(self.num_batch_seats, num_running_batch + num_waiting_batch)
+
+    def _yield_seats(self, out: SchedulerOutput) -> None:
+        """Preempt the newest running batch sequences (down to the kept seats) so that waiting non-batch
+        sequences find seats this step; the running list is sorted, batch at the tail."""
+        if not self.running or self.running[-1].priority < BATCH_BAND:
+            return
+        num_waiting_other, num_kept = self._batch_demand()
+        num_short = num_waiting_other - (self.max_num_seqs - len(self.running))
+        while num_short > 0 and self.running and self.running[-1].priority >= BATCH_BAND \
+                and sum(1 for s in self.running if s.priority >= BATCH_BAND) > num_kept \
+                and (self.isolate is None or self.running[-1].request_id == self.isolate):
+            self._preempt(self.running.pop(), out)
+            num_short -= 1
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        """Non-batch sequences first (up to the seats batch does not keep), then batch ones."""
+        _, num_kept = self._batch_demand()
+        num_preempted = len(out.preempted)
+        budget, blocked = self._admit_pass(out, budget, batch=False, max_seats=self.max_num_seqs - num_kept)
+        if not blocked and len(out.preempted) == num_preempted:  # an evicted batch sequence waits a step
+            budget, _ = self._admit_pass(out, budget, batch=True, max_seats=self.max_num_seqs)
+        return budget
+
+    def _admit_pass(self, out: SchedulerOutput, budget: int, batch: bool, max_seats: int) -> tuple[int, bool]:
+        """Admit waiting sequences of one side of the batch line in policy order; returns the budget
+        left and whether the head of the line is blocked for lack of blocks."""
+        num_seats = sum(1 for s in self.running if (s.priority >= BATCH_BAND) == batch)
+        for seq in self.waiting:
+            if (seq.priority >= BATCH_BAND) != batch:
+                continue
+            if budget <= 0 or len(self.running) >= self.max_num_seqs or num_seats >= max_seats:
                 break
             if self.isolate is not None and seq.request_id != self.isolate:
                 continue
@@ -198,8 +255,12 @@ class Scheduler:
                 prefix = self.kv.find_prefix(seq.token_ids)
             num_context = prefix.num_tokens(self.kv.block_size)
             num_new = min(seq.num_tokens - num_context, budget)
-            if not self.kv.allocate(seq.seq_id, num_context + num_new, prefix):
-                break  # head-of-line: wait for blocks rather than let later arrivals overtake
+            while not self.kv.allocate(seq.seq_id, num_context + num_new, prefix):
+                freed = None if batch else self._evict_batch(out)
+                if freed is None:
+                    return budget, True  # head-of-line: wait for blocks rather than let later arrivals overtake
+                budget += freed
+                num_new = min(seq.num_tokens - num_context, budget)
             self.waiting.remove(seq)
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
@@ -209,7 +270,23 @@ class Scheduler:
             self.running.append(seq)
             out.chunks.append(ScheduledChunk(seq, num_new, num_context))
             budget -= num_new
-        return budget
+            num_seats += 1
+        return budget, False
+
+    def _evict_batch(self, out: SchedulerOutput) -> int | None:
+        """Preempt the newest running batch sequence (above the kept seats) for a non-batch one that
+        lacks blocks, dropping its chunk from this step; returns the tokens its chunk had, or None."""
+        _, num_kept = self._batch_demand()
+        batch = [s for s in self.running if s.priority >= BATCH_BAND]
+        if len(batch) <= num_kept:
+            return None
+        victim = batch[-1]
+        chunk = next((c for c in out.chunks if c.seq is victim), None)
+        if chunk is not None:
+            out.chunks.remove(chunk)
+        self.running.remove(victim)
+        self._preempt(victim, out)
+        return chunk.num_new_tokens if chunk is not None else 0
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.kv.free(seq.seq_id)
@@ -239,6 +316,7 @@ class Scheduler:
                 if (reason := self._stop_reason(seq, token)) is not None:
                     break
             self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, min(seq.num_computed_tokens, seq.num_tokens))
+            self.kv.release_outside_window(seq.seq_id, seq.num_computed_tokens)
             if reason is not None:
                 self.finish(seq, reason)
             elif num_rejected:
