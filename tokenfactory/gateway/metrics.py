@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 from tokenfactory.engine.client import EngineClient, SpeculativeMetrics
 from tokenfactory.meter.attribution import Meter
 from tokenfactory.meter.ledger import Ledger
+from tokenfactory.meter.utilisation import DeviceUsage, from_totals
 
 if TYPE_CHECKING:
     from tokenfactory.gateway.admission import Admission
@@ -151,6 +152,37 @@ class MeterCollector(Collector):
         if t.cost_energy_usd is not None:
             cost.add_metric(["energy"], t.cost_energy_usd)
         yield cost
+        yield from utilisation_metrics(from_totals(t))
+
+
+def utilisation_metrics(u: DeviceUsage) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """Device utilisation joined to tokens and power (meter/utilisation.py), labelled by device; energy by
+    state (busy, idle) carries its source and is absent when not measured."""
+    for name, doc, value in (
+            ("device_busy_seconds", "Device-seconds spent in engine steps.", u.busy_device_seconds),
+            ("device_idle_seconds", "Device-seconds with no step running.", u.idle_device_seconds),
+            ("device_idle_cost_usd", "Idle device time and idle energy, priced.", u.idle_cost_usd)):
+        c = CounterMetricFamily(P + name, doc, labels=["device"])
+        c.add_metric([u.device], value)
+        yield c
+    energy = CounterMetricFamily(P + "device_energy_joules", "Energy by device state (busy: in steps).",
+                                 labels=["device", "state", "source"])
+    for state, joules in (("busy", u.busy_joules), ("idle", u.idle_joules)):
+        if joules is not None and u.energy_source is not None:
+            energy.add_metric([u.device, state, u.energy_source], joules)
+    yield energy
+    tokens = CounterMetricFamily(P + "device_tokens", "Tokens computed in steps, by kind (prefill, decode).",
+                                 labels=["device", "kind"])
+    tokens.add_metric([u.device, "prefill"], u.num_prefill_tokens)
+    tokens.add_metric([u.device, "decode"], u.num_decode_tokens)
+    yield tokens
+    for name, doc, value in (
+            ("device_utilisation", "Busy share of device time since start-up (0..1).", u.utilisation),
+            ("device_joules_per_token", "Busy joules per token computed.", u.joules_per_token)):
+        g = GaugeMetricFamily(P + name, doc, labels=["device"])
+        if value is not None:
+            g.add_metric([u.device], value)
+        yield g
 
 
 class LedgerCollector(Collector):

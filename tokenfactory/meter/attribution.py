@@ -51,6 +51,7 @@ class MeterConfig:
     tick_interval_s: float | None = 1.0  # idle readings by a background thread; None: call tick()
     settle_after_s: float = 30.0  # idle readings older than this are settled (longer than any step)
     watts_window_s: float = 5.0  # current_watts averages over this trailing window
+    device: str = "cpu"  # the device the steps run on, as /metrics and the utilisation rollup name it
 
     def __post_init__(self) -> None:
         if self.num_devices < 1:
@@ -111,6 +112,11 @@ class MeterTotals:
     cost_usd: float  # finished requests whose cost is known
     idle_cost_usd: float | None  # idle device time and idle energy, at the same prices
     energy_overhead_factor: float
+    # Utilisation joined to tokens (meter/utilisation.py): what the busy device-seconds made.
+    device: str = "cpu"
+    busy_joules: float | None = None  # settled into steps: attributed + unattributed
+    num_prefill_tokens: int = 0  # prompt tokens computed in steps (prefix-cache hits are not)
+    num_decode_tokens: int = 0  # tokens computed in decode rows (speculative verification included)
 
 
 @dataclass
@@ -176,6 +182,7 @@ class Meter:
         self._energy = _Energy()
         self._finished = _Finished()
         self._busy_device_seconds = 0.0
+        self._num_prefill_tokens = self._num_decode_tokens = 0
         # Called (under the meter's lock: keep them to a queue put) with the joules each settlement gave
         # each request: the joule-counting fair share hears of measured energy this way.
         self.energy_listeners: list[Callable[[dict[str, float]], None]] = []
@@ -226,6 +233,8 @@ class Meter:
         device_seconds = stats.duration_s * self._config.num_devices
         with self._lock:
             self._busy_device_seconds += device_seconds
+            self._num_prefill_tokens += stats.num_prefill_tokens
+            self._num_decode_tokens += stats.num_decode_tokens
             accounts = self._accounts
             for request_id, share in request_id_to_share.items():
                 account = accounts.get(request_id)
@@ -294,6 +303,10 @@ class Meter:
                 idle_cost_usd=(prices.device_cost_usd(idle_device_s) + prices.energy_cost_usd(energy.idle_joules)
                                if measured else None),
                 energy_overhead_factor=prices.energy_overhead_factor,
+                device=self._config.device,
+                busy_joules=energy.attributed_joules + energy.unattributed_joules if measured else None,
+                num_prefill_tokens=self._num_prefill_tokens,
+                num_decode_tokens=self._num_decode_tokens,
             )
 
     # --- inside the lock ---------------------------------------------------------------------------
