@@ -34,6 +34,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "or a span back from now such as 30m, 24h, 7d, 2w")
     p.add_argument("--group-by", choices=GROUP_BYS, default=None, help="one row per day, tenant or model")
     p.add_argument("--format", choices=FORMATS, default="table", help="output format (default: table)")
+    g = p.add_argument_group("statements and utilisation")
+    g.add_argument("--invoice", action="store_true",
+                   help="a tenant's statement for --month (CSV and an HTML page in --out; docs/dashboard.md)")
+    g.add_argument("--tenant", default=None, help="the tenant of --invoice")
+    g.add_argument("--month", default=None, help="the UTC calendar month of --invoice, e.g. 2026-11")
+    g.add_argument("--out", default=".", help="directory for the statement's files (default: here)")
+    g.add_argument("--prices", default=None, help="a prices TOML file merged over the defaults (the markup)")
+    g.add_argument("--utilisation", action="store_true",
+                   help="per device: busy and idle device-hours, tokens, kWh and idle cost (since --since)")
     p.set_defaults(func=run)
 
 
@@ -58,6 +67,8 @@ def parse_since(text: str, now: dt.datetime | None = None) -> dt.datetime:
 def run(args: argparse.Namespace) -> int:
     from tokenfactory.meter.ledger import Ledger
 
+    if args.invoice or args.utilisation:
+        return run_statement(args)
     since = parse_since(args.since) if args.since else None
     ledger = Ledger.open(args.data_dir, args.database_url, create=False)
     try:
@@ -68,6 +79,38 @@ def run(args: argparse.Namespace) -> int:
     key_name = args.group_by or "total"
     WRITERS[args.format](rows, key_name, sys.stdout)
     return 0
+
+
+def run_statement(args: argparse.Namespace) -> int:
+    """--invoice (files plus a one-line summary) or --utilisation (one line per device)."""
+    from pathlib import Path
+
+    from tokenfactory.meter.invoice import make_invoice, summary, write_invoice
+    from tokenfactory.meter.ledger import Ledger
+    from tokenfactory.meter.utilisation import create_table, device_usage
+
+    if args.invoice and (not args.tenant or not args.month):
+        raise ParameterError("tenant" if not args.tenant else "month", "--invoice needs --tenant T and --month YYYY-MM")
+    ledger = Ledger.open(args.data_dir, args.database_url, create=False)
+    try:
+        if args.invoice:
+            invoice = make_invoice(ledger.engine, args.tenant, args.month, Path(args.prices) if args.prices else None)
+            csv_path, html_path = write_invoice(invoice, Path(args.out))
+            if args.format == "json":
+                json.dump(summary(invoice), sys.stdout, indent=2)
+                sys.stdout.write("\n")
+            else:
+                print(f"{invoice.tenant} {invoice.month}: {invoice.num_requests} requests, "
+                      f"{invoice.device_hours:.4f} device-hours, total ${invoice.total_usd:.2f}\n"
+                      f"  {csv_path}\n  {html_path}")
+            return 0
+        create_table(ledger.engine)  # a ledger from before the rollup existed reads as empty
+        since = parse_since(args.since).replace(tzinfo=None) if args.since else None
+        for usage in device_usage(ledger.engine, since):
+            print(usage.describe())
+        return 0
+    finally:
+        ledger.close()
 
 
 def totals_to_dict(t: Any) -> dict[str, Any]:
