@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tokenfactory.engine.client import EngineClient
+from tokenfactory.gateway import dashboard
 from tokenfactory.gateway.accounting import Accounting
 from tokenfactory.gateway.admin import Tenancy
 from tokenfactory.gateway.admission import Admission
@@ -47,6 +48,7 @@ def build_app(engine: EngineClient, settings: ServerSettings, accounting: Accoun
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
         await handler.drain()  # SIGTERM: every pending ledger row (aborted requests' too) is written first
+        app.state.dashboard.close()
         if on_shutdown is not None:
             on_shutdown()
 
@@ -55,6 +57,7 @@ def build_app(engine: EngineClient, settings: ServerSettings, accounting: Accoun
     app.state.metrics = metrics
     install_error_handlers(app, lambda status: metrics.errors.labels(settings.served_model_name, str(status)).inc())
     tenancy.install(app, lambda status: metrics.errors.labels(settings.served_model_name, str(status)).inc())
+    app.state.dashboard = dashboard.install(app, engine, metrics, accounting, tenancy)  # /dashboard (dashboard.py)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -208,3 +208,13 @@ def summary(invoice: Invoice) -> dict[str, Any]:
             "device_hours": invoice.device_hours, "cost_device_usd": invoice.cost_device_usd,
             "cost_energy_usd": invoice.cost_energy_usd, "markup_usd": invoice.markup_usd,
             "total_usd": round(invoice.total_usd, 2)}
+
+
+def recent_requests(engine: sa.Engine, limit: int) -> list[dict[str, Any]]:
+    """The last `limit` ledger rows, newest first, with their usage (the dashboard's admin table)."""
+    t = requests_table.c
+    columns = (t.request_id, t.tenant, t.model, t.status, t.prompt_tokens, t.cached_tokens, t.completion_tokens,
+               t.energy_joules, t.energy_source, t.cost_usd, t.ttft_s, t.latency_s, t.created_at)
+    with engine.connect() as conn:
+        rows = conn.execute(sa.select(*columns).order_by(t.id.desc()).limit(limit)).mappings().all()
+    return [{**row, "created_at": row["created_at"].isoformat() + "Z"} for row in rows]

@@ -1,0 +1,165 @@
+"""/dashboard without a browser: the points' arithmetic from snapshots, the event stream over the real
+gateway (fake engine), who may watch, and the static files shipped in the package."""
+
+import json
+import math
+
+import httpx
+import openai
+import pytest
+
+from tests.fake_engine import FakeEngineClient
+from tests.server_util import start_gateway
+from tokenfactory.engine.client import EngineStats
+from tokenfactory.gateway.dashboard import STATIC_DIR, STATIC_FILES, is_loopback
+from tokenfactory.gateway.dashboard_feed import Replica, Sample, make_point, quantile
+from tokenfactory.meter.attribution import MeterTotals
+from tokenfactory.meter.prices import load_prices
+from tokenfactory.tenants.store import Budget, Tenant
+
+
+def stats(**kw) -> EngineStats:
+    base = dict(time=0.0, num_steps=0, num_running=0, num_waiting=0, num_kv_blocks=100, num_free_kv_blocks=100,
+                num_prompt_tokens_total=0, num_generation_tokens_total=0, num_prefix_queries=0, num_prefix_hits=0,
+                num_preemptions=0, num_failed_requests=0, last_step_s=None, last_step_tokens=0, max_num_seqs=8,
+                max_num_batched_tokens=256)
+    return EngineStats(**(base | kw))
+
+
+def totals(joules: float, busy_s: float, idle_s: float) -> MeterTotals:
+    return MeterTotals(source="constant", scope="machine", energy_joules_by_source={"constant": joules},
+                       energy_joules_by_component={}, attributed_joules=0.0, idle_joules=0.0,
+                       unattributed_joules=0.0, unsettled_joules=0.0, current_watts=None,
+                       busy_device_seconds=busy_s, idle_device_seconds=idle_s, num_requests_finished=0,
+                       num_output_tokens=0, joules_per_output_token=None, cost_device_usd=0.0, cost_energy_usd=0.0,
+                       cost_usd=0.0, idle_cost_usd=0.0, energy_overhead_factor=1.0)
+
+
+def test_a_point_is_rates_over_the_interval_by_hand():
+    prices = load_prices(device="h100")
+    facts = {"weight_bytes": 270e6, "kv_bytes": 1e9}
+    a = Sample(1000.0, 10.0, (Replica("local", stats(), facts),), totals(500.0, 1.0, 1.0),
+               ((0.1, 0.0), (1.0, 0.0), (math.inf, 0.0)), ())
+    b = Sample(1002.0, 12.0, (Replica("local", stats(
+        num_prompt_tokens_total=300, num_generation_tokens_total=100, num_free_kv_blocks=75, num_waiting=3,
+        num_prefix_queries=200, num_prefix_hits=50, num_preemptions=2), facts),),
+        totals(900.0, 2.5, 1.5), ((0.1, 4.0), (1.0, 10.0), (math.inf, 10.0)), ())
+    p = make_point(a, b, a, prices)
+    assert p["t"] == 1002.0 and p["tokens_in_s"] == 150.0 and p["tokens_out_s"] == 50.0
+    assert p["watts"] == 200.0 and p["joules_per_token"] == 4.0 and p["energy_source"] == "constant"
+    usd_per_s = 2.99 / 3600 + prices.energy_cost_usd(200.0)  # one second of H100 at 200 W
+    assert p["usd_per_mtok"] == pytest.approx(usd_per_s / 50.0 * 1e6)
+    assert p["busy"] == pytest.approx(0.75) and p["idle"] == pytest.approx(0.25)
+    assert p["kv_usage"] == 0.25 and p["kv_used_bytes"] == 0.25e9 and p["weight_bytes"] == 270e6
+    assert p["waiting"] == 3 and p["preemptions"] == 2 and p["prefix_hit_rate"] == 0.25
+    assert p["spec_acceptance"] is None and p["tpot_p50"] is None  # no drafts, no observations: null, not 0
+    assert p["ttft_p50"] == pytest.approx(0.1 + 0.9 * (5 - 4) / 6)  # linear inside the (0.1, 1] bucket
+    assert p["replicas"][0]["name"] == "local" and p["replicas"][0]["tokens_out_s"] == 50.0
+
+
+def test_replicas_are_a_list_of_the_same_snapshot():
+    two = (Replica("r0", stats(num_generation_tokens_total=10), {}), Replica("r1", stats(num_free_kv_blocks=0), {}))
+    before = (Replica("r0", stats(), {}), Replica("r1", stats(), {}))
+    p = make_point(Sample(0, 0, before, None, (), ()), Sample(1, 1, two, None, (), ()),
+                   Sample(0, 0, before, None, (), ()), None)
+    assert [r["name"] for r in p["replicas"]] == ["r0", "r1"]
+    assert p["tokens_out_s"] == 10.0 and p["kv_usage"] == 0.5 and "watts" not in p  # no meter, no power
+
+
+def test_quantile_matches_prometheus_histogram_quantile():
+    after = ((0.5, 50.0), (1.0, 90.0), (2.0, 100.0), (math.inf, 100.0))
+    assert quantile(0.5, (), after) == 0.5
+    assert quantile(0.99, (), after) == pytest.approx(1.0 + (99 - 90) / 10)
+    assert quantile(0.5, after, after) is None
+    assert quantile(0.99, (), ((1.0, 1.0), (math.inf, 10.0))) == 1.0  # in +Inf: the largest finite bound
+
+
+def read_events(url: str, n: int, headers: dict | None = None, timeout: float = 15) -> list[dict]:
+    events = []
+    with httpx.stream("GET", url + "/dashboard/events", headers=headers or {}, timeout=timeout) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+                if len(events) >= n:
+                    break
+    return events
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory):
+    g = start_gateway(FakeEngineClient(step_s=0.002), tmp_path_factory.mktemp("dashboard"))
+    yield g
+    g.stop()
+
+
+def test_the_stream_carries_live_points_from_requests(gw):
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    with httpx.stream("GET", gw.url + "/dashboard/events", timeout=20) as r:
+        lines = r.iter_lines()
+        first = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
+        assert first["type"] == "history" and first["admin"] is False and first["interval_s"] == 1.0
+        for i in range(4):
+            client.completions.create(model="fake-tiny", prompt=f"count {i}", max_tokens=16)
+        seen = []
+        for line in lines:
+            if line.startswith("data: "):
+                event = json.loads(line[6:])
+                assert event["type"] == "point"  # no tenant section without --auth
+                seen.append(event["point"])
+                if sum(p["tokens_out_s"] for p in seen) > 0 and len(seen) >= 2:
+                    break
+    made = sum(p["tokens_out_s"] for p in seen)  # token/s over ~1 s intervals
+    assert made > 0
+    history_end = first["points"][-1]["t"] if first["points"] else 0.0
+    assert all(p["t"] > history_end for p in seen)  # live points follow the history, none repeated
+    assert any(p.get("watts") and p["energy_source"] == "constant" for p in seen)
+    assert all(p["t"] < q["t"] for p, q in zip(seen, seen[1:], strict=False))
+    assert gw.metric("tokenfactory:device_busy_seconds_total") > 0
+
+
+def test_the_page_and_its_vendored_files_are_served_and_nothing_else(gw):
+    page = httpx.get(gw.url + "/dashboard")
+    assert page.status_code == 200 and "/dashboard/static/vendor/uPlot.iife.min.js" in page.text
+    assert "http://" not in page.text and "https://" not in page.text  # no CDN: everything from this server
+    for name, media in STATIC_FILES.items():
+        r = httpx.get(f"{gw.url}/dashboard/static/{name}")
+        assert r.status_code == 200 and r.headers["content-type"].startswith(media), name
+        assert (STATIC_DIR / name).read_bytes() == r.content
+    assert "uPlot" in httpx.get(gw.url + "/dashboard/static/vendor/uPlot.iife.min.js").text
+    assert "MIT" in httpx.get(gw.url + "/dashboard/static/vendor/uPlot.LICENSE").text
+    for bad in ("../app.py", "vendor/../../app.py", "dashboard.html", "%2e%2e/app.py"):
+        assert httpx.get(f"{gw.url}/dashboard/static/{bad}").status_code == 404, bad
+
+
+def test_without_auth_only_loopback_may_watch():
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and not is_loopback("10.0.0.7")
+    assert not is_loopback("example.org")
+
+
+@pytest.fixture(scope="module")
+def authed(tmp_path_factory):
+    g = start_gateway(FakeEngineClient(step_s=0.002), tmp_path_factory.mktemp("dashboard-auth"), auth=True)
+    g.store.add_tenant(Tenant("acme", budget=Budget.parse("1USD/month")))
+    keys = {"acme": g.store.create_key("acme")[0], "admin": g.store.create_key(None, is_admin=True)[0]}
+    yield g, keys
+    g.stop()
+
+
+def test_an_admin_sees_tenants_and_a_tenant_key_is_refused(authed):
+    gw, keys = authed
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key=keys["acme"], max_retries=0, timeout=30)
+    client.completions.create(model="fake-tiny", prompt="for the bill", max_tokens=8)
+    no_key = httpx.get(gw.url + "/dashboard/events")
+    assert no_key.status_code == 401 and no_key.json()["error"]["type"] == "authentication_error"
+    tenant = httpx.get(gw.url + "/dashboard/events", headers={"Authorization": f"Bearer {keys['acme']}"})
+    assert tenant.status_code == 403 and "admin API key" in tenant.json()["error"]["message"]
+    events = read_events(gw.url, 2, {"Authorization": f"Bearer {keys['admin']}"})
+    history, tenants = events
+    assert history["type"] == "history" and history["admin"] is True
+    assert tenants["type"] == "tenants"
+    [acme] = [t for t in tenants["tenants"] if t["name"] == "acme"]
+    assert acme["requests"] == 1 and acme["tokens"] > 0 and acme["usd"] > 0 and acme["joules"] > 0
+    assert acme["budget_unit"] == "usd" and acme["budget_left"] == pytest.approx(1.0 - acme["usd"])
+    [last] = tenants["recent"][:1]
+    assert last["tenant"] == "acme" and last["status"] == "finished" and last["completion_tokens"] > 0

@@ -1,0 +1,224 @@
+"""The dashboard's data: one point a second from the engine client's snapshots and the meter, an hour kept.
+
+A sampler thread reads only what is already published — `EngineClient.stats()` (an immutable snapshot),
+`Meter.totals()` (one lock) and the server's latency histograms — never live engine state, and the step
+loop does nothing for it. Each point is computed from two samples (rates are counter deltas over the
+interval):
+
+    tokens_in_s, tokens_out_s   Δ prompt tokens / Δt, Δ generated tokens / Δt                   [token/s]
+    watts                       Δ energy / Δt from the meter's source (null when it cannot measure) [W]
+    joules_per_token            Δ energy / Δ generated tokens (idle included: what a token cost)  [J/token]
+    usd_per_mtok                (usd_per_hour / 3600 · devices + watts · psu · pue / 3.6e6 · usd_per_kwh)
+                                / tokens_out_s · 1e6: the machine's running cost per million tokens out
+    busy, idle                  Δ busy and idle device-seconds / (Δt · devices)                  [0..1]
+    ttft/tpot p50, p99          histogram_quantile over the last `latency_window` samples' bucket deltas
+                                (Prometheus' linear interpolation inside a bucket)                [s]
+
+Replicas: a client that fronts several engines (the fleet) offers `replicas` (name -> EngineClient); each
+point then carries one entry per replica, the same fields as the single engine's, and the totals summed.
+Memory comes from a client's `facts` ("weight_bytes", "kv_bytes"), when it has them.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import Histogram
+
+from tokenfactory.engine.client import EngineClient, EngineStats
+from tokenfactory.meter.attribution import Meter, MeterTotals
+from tokenfactory.meter.prices import Prices
+
+
+@dataclass(frozen=True)
+class Replica:
+    name: str
+    stats: EngineStats
+    facts: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Sample:
+    wall: float  # time.time(), for the charts' x axis
+    monotonic: float
+    replicas: tuple[Replica, ...]
+    meter: MeterTotals | None
+    ttft_buckets: tuple[tuple[float, float], ...]  # (upper bound, cumulative count)
+    tpot_buckets: tuple[tuple[float, float], ...]
+
+
+def replicas_of(engine: EngineClient) -> tuple[Replica, ...]:
+    """One Replica per engine behind the client: the fleet's `replicas` mapping, or the client itself."""
+    fleet = getattr(engine, "replicas", None)
+    clients: Mapping[str, Any] = fleet if fleet else {"local": engine}
+    return tuple(Replica(name, c.stats(), dict(getattr(c, "facts", None) or {})) for name, c in clients.items())
+
+
+def buckets(histogram: Histogram) -> tuple[tuple[float, float], ...]:
+    """Cumulative bucket counts summed over the histogram's label sets."""
+    le_to_count: dict[float, float] = {}
+    for family in histogram.collect():
+        for s in family.samples:
+            if s.name.endswith("_bucket"):
+                le = float(s.labels["le"])
+                le_to_count[le] = le_to_count.get(le, 0.0) + s.value
+    return tuple(sorted(le_to_count.items()))
+
+
+def quantile(q: float, before: Sequence[tuple[float, float]], after: Sequence[tuple[float, float]]) -> float | None:
+    """The q-quantile of the observations between two readings of the same histogram (None: none)."""
+    le_to_before = dict(before)
+    counts = [(le, c - le_to_before.get(le, 0.0)) for le, c in after]
+    if not counts or counts[-1][1] <= 0:
+        return None
+    rank, prev_le, prev_count = q * counts[-1][1], 0.0, 0.0
+    for le, count in counts:
+        if count >= rank:
+            if math.isinf(le):
+                return prev_le  # in the +Inf bucket: the largest finite bound, as Prometheus does
+            return prev_le + (le - prev_le) * ((rank - prev_count) / (count - prev_count) if count > prev_count
+                                               else 1.0)
+        prev_le, prev_count = le, count
+    return prev_le
+
+
+def _rate(delta: float, dt: float) -> float:
+    return delta / dt if dt > 0 else 0.0
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den > 0 else None
+
+
+def replica_point(prev: Replica | None, cur: Replica, dt: float) -> dict[str, Any]:
+    """A replica's fields over one interval (prev None: its first sample, rates 0)."""
+    s, p = cur.stats, prev.stats if prev is not None else cur.stats
+    spec, pspec = s.speculative, p.speculative
+    acceptance = (_ratio(spec.num_accepted_tokens - pspec.num_accepted_tokens,
+                         spec.num_draft_tokens - pspec.num_draft_tokens) if spec and pspec else None)
+    kv_bytes = cur.facts.get("kv_bytes")
+    return {
+        "name": cur.name, "alive": s.alive,
+        "tokens_in_s": _rate(s.num_prompt_tokens_total - p.num_prompt_tokens_total, dt),
+        "tokens_out_s": _rate(s.num_generation_tokens_total - p.num_generation_tokens_total, dt),
+        "running": s.num_running, "waiting": s.num_waiting, "kv_usage": s.kv_cache_usage,
+        "preemptions": s.num_preemptions - p.num_preemptions,
+        "prefix_hit_rate": _ratio(s.num_prefix_hits - p.num_prefix_hits, s.num_prefix_queries - p.num_prefix_queries),
+        "spec_acceptance": acceptance,
+        "weight_bytes": cur.facts.get("weight_bytes"),
+        "kv_used_bytes": kv_bytes * s.kv_cache_usage if kv_bytes is not None else None,
+        "kv_free_bytes": kv_bytes * (1.0 - s.kv_cache_usage) if kv_bytes is not None else None,
+    }
+
+
+def meter_point(prev: MeterTotals, cur: MeterTotals, dt: float, tokens_out: float, prices: Prices,
+                num_devices: int) -> dict[str, Any]:
+    """Power, J/token, $/Mtok and busy/idle shares over one interval (module docstring)."""
+    prev_j, cur_j = sum(prev.energy_joules_by_source.values()), sum(cur.energy_joules_by_source.values())
+    measured = bool(cur.energy_joules_by_source) and bool(prev.energy_joules_by_source)
+    watts = _rate(cur_j - prev_j, dt) if measured else None
+    usd_per_s = prices.device.usd_per_hour / 3600.0 * num_devices + (
+        prices.energy_cost_usd(watts) if watts is not None else 0.0)
+    tokens_out_s = _rate(tokens_out, dt)
+    span = dt * num_devices
+    return {
+        "watts": watts, "energy_source": cur.source if measured else None,
+        "joules_per_token": _ratio(cur_j - prev_j, tokens_out) if measured else None,
+        "usd_per_mtok": usd_per_s / tokens_out_s * 1e6 if tokens_out_s > 0 else None,
+        "busy": _ratio(cur.busy_device_seconds - prev.busy_device_seconds, span),
+        "idle": _ratio(max(cur.idle_device_seconds - prev.idle_device_seconds, 0.0), span),
+    }
+
+
+def make_point(prev: Sample, cur: Sample, window_start: Sample, prices: Prices | None,
+               num_devices: int = 1) -> dict[str, Any]:
+    """The dashboard's point for the interval [prev, cur]; latencies over [window_start, cur]."""
+    dt = cur.monotonic - prev.monotonic
+    name_to_prev = {r.name: r for r in prev.replicas}
+    replicas = [replica_point(name_to_prev.get(r.name), r, dt) for r in cur.replicas]
+    point: dict[str, Any] = {"t": cur.wall, "replicas": replicas}
+    for name in ("tokens_in_s", "tokens_out_s", "running", "waiting", "preemptions"):
+        point[name] = sum(r[name] for r in replicas)
+    for name in ("weight_bytes", "kv_used_bytes", "kv_free_bytes"):
+        values = [r[name] for r in replicas if r[name] is not None]
+        point[name] = sum(values) if values else None
+    total_blocks = sum(r.stats.num_kv_blocks for r in cur.replicas)
+    point["kv_usage"] = (sum(r.stats.num_kv_blocks - r.stats.num_free_kv_blocks for r in cur.replicas)
+                         / total_blocks if total_blocks else 0.0)
+    hits = [(r["prefix_hit_rate"]) for r in replicas if r["prefix_hit_rate"] is not None]
+    point["prefix_hit_rate"] = sum(hits) / len(hits) if hits else None
+    accepts = [r["spec_acceptance"] for r in replicas if r["spec_acceptance"] is not None]
+    point["spec_acceptance"] = sum(accepts) / len(accepts) if accepts else None
+    if cur.meter is not None and prev.meter is not None and prices is not None:
+        point |= meter_point(prev.meter, cur.meter, dt, point["tokens_out_s"] * dt, prices, num_devices)
+    for name, attr in (("ttft", "ttft_buckets"), ("tpot", "tpot_buckets")):
+        for q in (50, 99):
+            point[f"{name}_p{q}"] = quantile(q / 100, getattr(window_start, attr), getattr(cur, attr))
+    return point
+
+
+class DashboardFeed:
+    """Samples every `interval_s` on its own thread and keeps `history_s` of points; readers take the points
+    after a sequence number (`since`), so a page that falls behind costs nothing but its own catch-up."""
+
+    def __init__(self, engine: EngineClient, ttft: Histogram, tpot: Histogram, meter: Meter | None = None,
+                 interval_s: float = 1.0, history_s: float = 3600.0, latency_window: int = 10,
+                 wall: Callable[[], float] = time.time, clock: Callable[[], float] = time.monotonic) -> None:
+        self.engine, self.meter, self.interval_s = engine, meter, interval_s
+        self._ttft, self._tpot, self._wall, self._clock = ttft, tpot, wall, clock
+        self._lock = threading.Lock()
+        self._points: deque[tuple[int, dict[str, Any]]] = deque(maxlen=max(int(history_s / interval_s), 1))
+        self._samples: deque[Sample] = deque(maxlen=latency_window + 1)
+        self._seq = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> DashboardFeed:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="dashboard-feed", daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def sample(self) -> Sample:
+        return Sample(self._wall(), self._clock(), replicas_of(self.engine),
+                      self.meter.totals() if self.meter is not None else None,
+                      buckets(self._ttft), buckets(self._tpot))
+
+    def tick(self) -> dict[str, Any] | None:
+        """Take a sample and append its point (the first sample only sets the baseline)."""
+        cur = self.sample()
+        with self._lock:
+            prev = self._samples[-1] if self._samples else None
+            self._samples.append(cur)
+            if prev is None:
+                return None
+            prices = self.meter.prices if self.meter is not None else None
+            point = make_point(prev, cur, self._samples[0], prices)
+            self._seq += 1
+            self._points.append((self._seq, point))
+            return point
+
+    def points_after(self, seq: int) -> tuple[int, list[dict[str, Any]]]:
+        """The points newer than `seq` and the newest sequence number."""
+        with self._lock:
+            return self._seq, [p for s, p in self._points if s > seq]
+
+    def _loop(self) -> None:
+        self.tick()
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001 - a failed sample skips one point, never the feed
+                continue
