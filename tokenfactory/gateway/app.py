@@ -26,6 +26,7 @@ from tokenfactory.gateway import dashboard
 from tokenfactory.gateway.accounting import Accounting
 from tokenfactory.gateway.admin import Tenancy
 from tokenfactory.gateway.admission import Admission
+from tokenfactory.gateway.batch_api import install_batch_routes
 from tokenfactory.gateway.errors import APIError, BodySizeLimit, install_error_handlers
 from tokenfactory.gateway.metrics import ServerMetrics
 from tokenfactory.gateway.protocol import ChatCompletionRequest, CompletionRequest
@@ -46,13 +47,18 @@ def build_app(engine: EngineClient, settings: ServerSettings, accounting: Accoun
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if batches is not None:
+            await batches.start()  # resumes the jobs an earlier process left unfinished
         yield
+        if batches is not None:
+            await batches.stop()
         await handler.drain()  # SIGTERM: every pending ledger row (aborted requests' too) is written first
         app.state.dashboard.close()
         if on_shutdown is not None:
             on_shutdown()
 
     app = FastAPI(title="tokenfactory", lifespan=lifespan)
+    batches = install_batch_routes(app, handler, settings.batch)  # /v1/files, /v1/batches (batch_api.py)
     app.state.handler = handler
     app.state.metrics = metrics
     install_error_handlers(app, lambda status: metrics.errors.labels(settings.served_model_name, str(status)).inc())

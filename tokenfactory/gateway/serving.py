@@ -24,6 +24,7 @@ from tokenfactory.engine.client import AddRequest, EngineClient, EngineDeadError
 from tokenfactory.gateway.accounting import Accounting
 from tokenfactory.gateway.admin import Tenancy
 from tokenfactory.gateway.admission import Reservation
+from tokenfactory.gateway.batch import BatchSettings
 from tokenfactory.gateway.errors import APIError
 from tokenfactory.gateway.metrics import ServerMetrics
 from tokenfactory.gateway.protocol import (
@@ -46,6 +47,7 @@ class ServerSettings:
     max_body_bytes: int = 4 << 20
     retry_after_s: int = 2
     stream_send_timeout_s: float = 30.0  # a streaming client that takes no data this long is dropped
+    batch: BatchSettings | None = None  # the Batch API's runner (gateway/batch.py); None: its defaults
 
 
 @dataclass
@@ -158,15 +160,18 @@ class Handler:
     async def serve(self, body: _SamplingFields, prepared: list[Prepared], request: Request, kind: str,
                     echo: bool = False) -> Response:
         self.check_alive()
-        request_id = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}"
+        # A batch line (gateway/batch.py) brings its own durable request id and the batch priority band.
+        request_id = (getattr(request.state, "request_id", None)
+                      or f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}")
         # The caller's limits are checked and its worst case reserved (queue slots, concurrency, tokens,
         # budget); the Settlement releases all of it exactly once, on every way out.
         worst_tokens = sum(len(p.token_ids) + p.params.n * (p.params.max_tokens or 0) for p in prepared)
         reservation = self.tenancy.admit(request, request_id, worst_tokens=worst_tokens, num_prompts=len(prepared),
                                          model=self.settings.served_model_name)
         try:
+            priority = getattr(request.state, "priority", reservation.priority)
             adds = [AddRequest(f"{request_id}-{i}", p.token_ids, p.text, p.params, time.monotonic(),
-                               reservation.tenant, reservation.priority) for i, p in enumerate(prepared)]
+                               reservation.tenant, priority) for i, p in enumerate(prepared)]
             settlement = Settlement(self.accounting, self.background, request_id, adds, reservation)
         except BaseException:
             reservation.cancel()
