@@ -236,14 +236,16 @@ def test_reference_model_matches_transformers_from_pretrained(tmp_path, arch):
         torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, atol=1e-5, rtol=1e-5)
 
 
-def test_hf_mistral_sliding_window_is_announced(tmp_path, caplog):
+def test_hf_mistral_sliding_window_is_read(tmp_path, caplog):
+    # Honoured since #18 (tests/test_sliding_window*.py), so loading no longer warns about it.
     folder = tiny_random_model_dir(tmp_path, "mistral")
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(config | {"sliding_window": 4096}))
     with caplog.at_level(logging.WARNING, logger="tokenfactory.models.loader"):
         loaded = load_model(folder)
     assert loaded.config.architecture == "mistral" and loaded.config.sliding_window == 4096
-    assert "sliding-window attention (window 4096 tokens) is not supported" in caplog.text
+    assert loaded.config.kv_release_window == 4096
+    assert "sliding" not in caplog.text
 
 
 @pytest.mark.parametrize("spelling", ["transformers4", "transformers5"])

@@ -28,7 +28,11 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: q/k/v projections carry biases
-    sliding_window: int | None = None  # Mistral; not yet honoured (full attention), said at load time
+    # Sliding-window attention (Mistral; Qwen2 with use_sliding_window): a token sees its last `sliding_window`
+    # keys. `layer_windows` gives each layer its own (None: full attention) for models that mix local and
+    # global layers (Qwen2's first max_window_layers are global); None: every layer uses `sliding_window`.
+    sliding_window: int | None = None
+    layer_windows: tuple[int | None, ...] | None = None
     # Llama 3.1 style rope scaling, e.g. {"rope_type": "llama3", "factor": 8.0, ...}; None: plain RoPE.
     rope_scaling: dict[str, float | str] | None = None
     bos_token_id: int | None = None
@@ -39,9 +43,23 @@ class ModelConfig:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"architecture {self.architecture!r} is not supported; "
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if self.layer_windows is not None and len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers")
+        if any(w is not None and w < 1 for w in (self.sliding_window, *(self.layer_windows or ()))):
+            raise ValueError("a sliding window must be >= 1 token")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads})")
+
+    def window(self, layer_idx: int) -> int | None:
+        """Layer `layer_idx`'s sliding window in tokens, or None for full attention."""
+        return self.layer_windows[layer_idx] if self.layer_windows is not None else self.sliding_window
+
+    @cached_property
+    def kv_release_window(self) -> int | None:
+        """The widest window when every layer has one: KV blocks wholly before it are never read again."""
+        windows = [self.window(i) for i in range(self.num_layers)]
+        return None if any(w is None for w in windows) else max(windows)  # type: ignore[type-var]
 
     @cached_property
     def q_size(self) -> int:
@@ -81,6 +99,9 @@ class EngineConfig:
     # Bytes (int) or a fraction of free memory (float in (0, 1]); None: a default for the device.
     kv_cache_memory: int | float | None = None
     enable_prefix_caching: bool = True
+    # The KV cache's storage: "auto" (the model's dtype), "int8" or "fp8" (8 bits and one float16 scale per KV
+    # head and token: about half the bytes of bf16; tokenfactory.layers.kv_quant).
+    kv_cache_dtype: str = "auto"
     # Weight quantization: "none", or a scheme of tokenfactory.layers.quant (int8, int4, ...; "auto" keeps
     # a GGUF file's own quantization). Validated where the schemes live.
     quantization: str = "auto"
@@ -118,6 +139,9 @@ class EngineConfig:
             raise ParameterError("dtype", f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not 0.0 <= self.batch_min_share <= 1.0:
             raise ParameterError("batch_min_share", f"batch_min_share must be in [0, 1], got {self.batch_min_share}")
+        if self.kv_cache_dtype not in ("auto", "int8", "fp8"):
+            raise ParameterError("kv_cache_dtype",
+                                 f"kv_cache_dtype must be auto, int8 or fp8, got {self.kv_cache_dtype!r}")
         mem = self.kv_cache_memory
         if isinstance(mem, float) and not 0.0 < mem <= 1.0:
             raise ParameterError("kv_cache_memory",

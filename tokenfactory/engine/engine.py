@@ -83,26 +83,29 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(loaded.config.eos_token_ids)
+        self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
+        self.runner = ModelRunner(loaded.config, loaded.weights, device=self.device, dtype=self.dtype,
+                                  num_blocks=None, block_size=config.block_size, max_model_len=None,
+                                  sampler=self.sampler, quantization=config.quantization, raw_gguf=loaded.raw_gguf,
+                                  quantized=loaded.quantized,
+                                  quant_options=QuantOptions(dense=config.quantization_dense),
+                                  single_thread_step_tokens=config.single_thread_step_tokens,
+                                  kv_cache_dtype=config.kv_cache_dtype)
+        # Sized once the weights are placed: a default budget is a share of what is free after them.
         self.capacity: KVCapacity = plan_kv_cache(loaded.config, config, self.device, self.dtype)
         self.max_model_len = self.capacity.max_model_len
+        self.runner.allocate_kv_cache(self.capacity.num_blocks, self.max_model_len)
         self.info = ModelInfo(self.model_path, self.max_model_len, loaded.config.vocab_size, loaded.config,
                               device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
                               eos_token_ids=tuple(sorted(self.eos_token_ids)))
-        self.kv = BlockManager(self.capacity.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = BlockManager(self.capacity.num_blocks, config.block_size, config.enable_prefix_caching,
+                               sliding_window=loaded.config.kv_release_window)
         if config.scheduling_policy not in POLICIES:
             raise ParameterError("scheduling_policy", f"scheduling_policy must be one of {sorted(POLICIES)}, "
                                  f"got {config.scheduling_policy!r}")
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, make_policy(config.scheduling_policy, loaded.config),
                                    eos_token_ids=self.eos_token_ids, batch_min_share=config.batch_min_share)
-        self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
-        self.runner = ModelRunner(loaded.config, loaded.weights, device=self.device, dtype=self.dtype,
-                                  num_blocks=self.capacity.num_blocks, block_size=config.block_size,
-                                  max_model_len=self.max_model_len, sampler=self.sampler,
-                                  quantization=config.quantization, raw_gguf=loaded.raw_gguf,
-                                  quantized=loaded.quantized,
-                                  quant_options=QuantOptions(dense=config.quantization_dense),
-                                  single_thread_step_tokens=config.single_thread_step_tokens)
         self.speculator = build_speculator(SpecHost(
             config, loaded.config, self.tokenizer, self.eos_token_ids, self.capacity, self.device, self.dtype,
             self.max_model_len, self.runner, self.kv), loaded)

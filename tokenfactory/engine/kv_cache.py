@@ -11,10 +11,21 @@ prefixes (the stored token ids are compared too, against collisions). A freed bl
 goes to the back of the free queue: it can be revived by a later prefix hit until it is reused for new
 tokens, and reuse takes the least recently freed block first (LRU).
 
-Invariants (property-tested in tests/test_kv_cache.py):
+Sliding windows: when every layer attends only to its last `sliding_window` keys, a block wholly before
+the window of the next token a sequence computes is never read again, so `release_outside_window` gives it
+back to the pool. Its table entry stays (positions still index the table) but holds the padding block 0,
+the same padding the runner puts past a table's end, and `seq_to_num_dropped_blocks` says how many leading
+entries are padding; attention never reads them (it starts at the window).
+
+    window 8, block_size 4, 14 tokens computed (the next token is position 14, which sees keys 7..14):
+    token index:  0  1  2  3 | 4  5  6  7 | 8 ...
+    block table:  [  pad 0   |    b2      |    b9  ...]     the first block is back in the pool
+
+Invariants (property-tested in tests/test_kv_cache.py and tests/test_sliding_window_blocks.py):
 - every block is either free (ref_count 0, in the free queue) or held (ref_count = number of sequences
-  whose table holds it);
-- a block appears in two tables only after a prefix-hash hit.
+  whose table holds it past its dropped entries);
+- a block appears in two tables only after a prefix-hash hit;
+- with a window, no held block of a sequence lies wholly before the window of its next token.
 """
 
 from __future__ import annotations
@@ -45,10 +56,17 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
+        """`sliding_window`: the widest window of any layer when every layer has one; None: some layer (or
+        every one) attends to the whole sequence, and no block is ever released early."""
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.block_size = block_size
+        self.sliding_window = sliding_window
+        self.seq_to_num_dropped_blocks: dict[str, int] = {}
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
@@ -105,6 +123,8 @@ class BlockManager:
         table = self.seq_to_block_ids[seq_id]
         num_hashed = self.seq_to_num_hashed_blocks.get(seq_id, 0)
         num_full = min(num_computed_tokens // self.block_size, len(table))
+        # A released block was hashed before it was released, and the last hashed one is never released.
+        assert not num_hashed or num_hashed > self.seq_to_num_dropped_blocks.get(seq_id, 0)
         parent = self.blocks[table[num_hashed - 1]].block_hash if num_hashed else None
         for i in range(num_hashed, num_full):
             block = self.blocks[table[i]]
@@ -150,7 +170,8 @@ class BlockManager:
         first: a shared prefix outlives the sequence-specific tail."""
         table = self.seq_to_block_ids.pop(seq_id, [])
         self.seq_to_num_hashed_blocks.pop(seq_id, None)
-        for block_id in reversed(table):
+        num_dropped = self.seq_to_num_dropped_blocks.pop(seq_id, 0)
+        for block_id in reversed(table[num_dropped:]):
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0
@@ -166,6 +187,7 @@ class BlockManager:
             return
         keep = self.blocks_needed(num_tokens)
         assert keep >= self.seq_to_num_hashed_blocks.get(seq_id, 0), "trim would drop a hashed block"
+        assert keep >= self.seq_to_num_dropped_blocks.get(seq_id, 0), "trim would drop a released block"
         while len(table) > keep:
             block_id = table.pop()
             block = self.blocks[block_id]
@@ -174,6 +196,33 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_queue[block_id] = None
                 self.free_queue.move_to_end(block_id, last=False)
+
+    def release_outside_window(self, seq_id: str, num_computed_tokens: int) -> int:
+        """Give back the sequence's blocks that lie wholly before the window of its next token (position
+        `num_computed_tokens`, which sees keys from num_computed_tokens - window + 1 on); returns how many.
+        With prefix caching, the last hashed block is kept: the next block's hash chains from it."""
+        if self.sliding_window is None or seq_id not in self.seq_to_block_ids:
+            return 0
+        table = self.seq_to_block_ids[seq_id]
+        first_needed = max(num_computed_tokens - self.sliding_window + 1, 0) // self.block_size
+        if self.enable_prefix_caching:
+            first_needed = min(first_needed, max(self.seq_to_num_hashed_blocks.get(seq_id, 0) - 1, 0))
+        first_needed = min(first_needed, len(table))
+        num_dropped = self.seq_to_num_dropped_blocks.get(seq_id, 0)
+        for i in range(num_dropped, first_needed):
+            block = self.blocks[table[i]]
+            block.ref_count -= 1
+            assert block.ref_count >= 0
+            if block.ref_count == 0:
+                self.free_queue[block.block_id] = None  # hashed: may still be revived by a prefix hit
+            table[i] = 0  # padding, as past a table's end: outside every window, never read
+        if first_needed > num_dropped:
+            self.seq_to_num_dropped_blocks[seq_id] = first_needed
+        return max(first_needed - num_dropped, 0)
+
+    def num_held_blocks(self, seq_id: str) -> int:
+        """Blocks the sequence holds (its table's entries past those released outside the window)."""
+        return len(self.seq_to_block_ids.get(seq_id, ())) - self.seq_to_num_dropped_blocks.get(seq_id, 0)
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]

@@ -8,6 +8,7 @@ import psutil
 import torch
 
 from tokenfactory.config import EngineConfig, ModelConfig
+from tokenfactory.layers.kv_quant import KVFormat
 from tokenfactory.types import ParameterError
 
 GiB = 1 << 30
@@ -87,9 +88,15 @@ def kv_budget_bytes(budget: int | float | None, device: torch.device) -> int:
     return min(default, DEFAULT_CPU_CAP_BYTES) if device.type == "cpu" else default
 
 
+def kv_bytes_per_token(model: ModelConfig, fmt: KVFormat) -> int:
+    """K and V of one token over every layer, scales included: 2 · layers · kv_heads · (d · bytes + scale)."""
+    return 2 * model.num_layers * model.num_kv_heads * fmt.bytes_per_head_token(model.head_dim)
+
+
 def plan_kv_cache(model: ModelConfig, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> KVCapacity:
-    dtype_bytes = torch.tensor([], dtype=dtype).element_size()
-    per_token = model.kv_bytes_per_token(dtype_bytes)
+    """Blocks for the budget. Call it once the weights are on the device: a default budget is a share of the
+    memory free *now*, and before the weights land that would count memory they are about to take."""
+    per_token = kv_bytes_per_token(model, KVFormat(config.kv_cache_dtype, dtype))
     budget = kv_budget_bytes(config.kv_cache_memory, device)
     num_blocks = budget // (per_token * config.block_size)
     if num_blocks < 1:

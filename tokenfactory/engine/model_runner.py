@@ -18,6 +18,7 @@ from tokenfactory.engine.scheduler import SchedulerOutput
 from tokenfactory.engine.sequence import Draft, Sequence
 from tokenfactory.layers.attention import AttentionMetadata, PrefillSpan
 from tokenfactory.layers.cpu_kernels import paged_decode_kernel
+from tokenfactory.layers.kv_quant import SCALE_DTYPE, KVFormat
 from tokenfactory.layers.quant import QuantOptions, apply_quantization
 from tokenfactory.layers.quant_formats import RawGGUFTensors
 from tokenfactory.layers.rotary import Rotary
@@ -40,46 +41,59 @@ class ModelInputs:
     verify_sampling: SamplingBatch | None = None  # one row per verified position (a sequence repeated)
 
 
-def allocate_kv_pool(shape: tuple[int, ...], num_layers: int, dtype: torch.dtype,
-                     device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One zeroed allocation for every layer's K and V, as (k, v) views per layer.
+def allocate_kv_pool(shape: tuple[int, ...], num_layers: int, fmt: KVFormat,
+                     device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+    """One zeroed allocation for every layer's K and V, as (k, v) views per layer, or (k, v, k_scale,
+    v_scale) for a quantized format (scales (nkv, num_blocks, block_size) float16, in a second allocation).
 
     Zeroed, not empty: padded block-table entries and a block's unwritten slots are read (then masked),
     and NaN * 0 is NaN. Relying on fresh zero pages from the OS proved unsafe: a reused allocation came
     back holding NaN bit patterns in a long-running process.
     """
-    pool = torch.zeros((num_layers, 2, *shape), dtype=dtype, device=device)
-    return [(pool[i, 0], pool[i, 1]) for i in range(num_layers)]
+    pool = torch.zeros((num_layers, 2, *shape), dtype=fmt.storage_dtype, device=device)
+    if not fmt.quantized:
+        return [(pool[i, 0], pool[i, 1]) for i in range(num_layers)]
+    scales = torch.zeros((num_layers, 2, *shape[:-1]), dtype=SCALE_DTYPE, device=device)
+    return [(pool[i, 0], pool[i, 1], scales[i, 0], scales[i, 1]) for i in range(num_layers)]
 
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor], *, device: torch.device,
-                 dtype: torch.dtype, num_blocks: int, block_size: int, max_model_len: int,
+                 dtype: torch.dtype, num_blocks: int | None, block_size: int, max_model_len: int | None,
                  sampler: Sampler, quantization: str = "none", raw_gguf: RawGGUFTensors | None = None,
                  quantized: dict | None = None, quant_options: QuantOptions | None = None,
-                 single_thread_step_tokens: int = 0) -> None:
+                 single_thread_step_tokens: int = 0, kv_cache_dtype: str = "auto") -> None:
+        """`num_blocks`/`max_model_len` None: the caller sizes the KV cache once the weights are placed (what
+        is free then is what the cache may take) and calls `allocate_kv_cache`."""
         self.cfg = model_config
         self.device, self.dtype = device, dtype
         self.block_size = block_size
+        self.kv_format = KVFormat(kv_cache_dtype, dtype)
         self.sampler = sampler
         self.max_threads = torch.get_num_threads()
         self.num_threads = self.max_threads
         self.single_thread_step_tokens = single_thread_step_tokens
         model_cls = MODEL_REGISTRY[model_config.architecture]
         with torch.device("meta"):
-            model = model_cls(model_config, max_positions=max_model_len)
+            model = model_cls(model_config, max_positions=1)
         model = model.to_empty(device="cpu")
         model.load_hf_weights(weights)
         model = model.to(device=device, dtype=dtype).eval()
         self.quant_summary = apply_quantization(model, quantization, raw_gguf=raw_gguf, dtype=dtype, device=device,
                                                 quantized=quantized, options=quant_options)
-        # RoPE tables stay float32 whatever the model's dtype (as the reference computes them).
-        model.rotary = Rotary(model_config, max_model_len).to(device)
         self.model: LlamaForCausalLM = model
         if device.type == "cpu":
             paged_decode_kernel()  # build (or load) it now, at start-up, not in the first step
-        shape = (model_config.num_kv_heads, num_blocks, block_size, model_config.head_dim)
-        self.kv_caches = allocate_kv_pool(shape, model_config.num_layers, dtype, device)
+        self.kv_caches: list[tuple[torch.Tensor, ...]] = []
+        if num_blocks is not None and max_model_len is not None:
+            self.allocate_kv_cache(num_blocks, max_model_len)
+
+    def allocate_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
+        """The KV pool (in the KV format) and the RoPE tables for positions up to max_model_len."""
+        # RoPE tables stay float32 whatever the model's dtype (as the reference computes them).
+        self.model.rotary = Rotary(self.cfg, max_model_len).to(self.device)
+        shape = (self.cfg.num_kv_heads, num_blocks, self.block_size, self.cfg.head_dim)
+        self.kv_caches = allocate_kv_pool(shape, self.cfg.num_layers, self.kv_format, self.device)
 
     def _choose_threads(self, num_tokens: int) -> None:
         """One CPU thread for steps of a few tokens, all of them for bigger steps (when configured). When

@@ -654,9 +654,9 @@ def time_step(runner: ModelRunner, kv: BlockManager, batch: int, k: int, ctx: in
         chunks.append(ScheduledChunk(seq, new_tokens + k, ctx, Draft([0] * k) if k else None))
     # The context was never written: zero it, so that no non-finite leftover reaches the KV it writes.
     used = torch.tensor([b for seq in seqs for b in kv.block_ids(seq.seq_id)], dtype=torch.long)
-    for k_cache, v_cache in runner.kv_caches:
-        k_cache[:, used.to(k_cache.device)] = 0
-        v_cache[:, used.to(v_cache.device)] = 0
+    for layer in runner.kv_caches:  # (k, v), or (k, v, k_scale, v_scale) for a quantized cache
+        for cache in layer:
+            (cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache)[:, used.to(cache.device)] = 0
     best = math.inf
     try:
         for _ in range(repeats):

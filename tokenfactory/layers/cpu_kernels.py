@@ -1,8 +1,9 @@
 """Hand-written CPU kernels, compiled on first use with the machine's C++ compiler, and a fallback.
 
 Only what PyTorch has no op for, or no fast one, lives here (`csrc/cpu_kernels.cpp`): decode attention
-straight from the paged KV cache, and RMSNorm (PyTorch's spends ~18 us per 576-wide row in separate
-kernels, a tenth of a single-stream int4 decode step over 61 norms). The build goes to a per-machine cache
+straight from the paged KV cache (in the model's dtype or int8 with scales; full or sliding-window), and
+RMSNorm (PyTorch's spends ~18 us per 576-wide row in separate kernels, a tenth of a single-stream int4
+decode step over 61 norms). The build goes to a per-machine cache
 (`~/.cache/tokenfactory/kernels`, or `$TOKENFACTORY_KERNEL_CACHE`), keyed by the source, the compiler flags,
 the CPU and the torch version, so a process compiles once (~20 s on 2 cores) and every later process loads
 it in milliseconds. Loading a `.so` runs its code, so the cache is used only when it, the build's directory
@@ -129,9 +130,16 @@ def _load() -> Any:
 
 
 def paged_decode_kernel() -> Callable[..., torch.Tensor] | None:
-    """`f(q, k_cache, v_cache, block_tables, seq_lens, query_start, scale) -> out`, or None."""
+    """`f(q, k_cache, v_cache, block_tables, seq_lens, query_start, scale, window=0) -> out`, or None."""
     module = _load()
     return None if module is None else module.paged_decode_attention
+
+
+def paged_decode_kernel_int8() -> Callable[..., torch.Tensor] | None:
+    """`f(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start, scale, window=0) -> out`
+    over int8 caches with float16 scales (kv_quant.py), or None."""
+    module = _load()
+    return None if module is None else module.paged_decode_attention_int8
 
 
 def rms_norm_kernel() -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None:

@@ -27,6 +27,7 @@ class DecoderLayer(nn.Module):
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.eps = cfg.rms_norm_eps
         self.scale = cfg.head_dim ** -0.5
+        self.window = cfg.window(layer_idx)  # None: full attention
         self.input_norm = nn.Parameter(torch.ones(h))
         self.qkv_proj = nn.Linear(h, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.q_size, h, bias=False)
@@ -43,7 +44,9 @@ class DecoderLayer(nn.Module):
         qk = apply_rope(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # (T, nh, d), (T, nkv, d)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        attn = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # (T, nh, d)
+        # kv: (k_cache, v_cache), or with a quantized cache (k_cache, v_cache, k_scale, v_scale)
+        attn = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, scales=(kv[2], kv[3]) if len(kv) == 4 else None,
+                               window=self.window)  # (T, nh, d)
         x = x + self.o_proj(attn.reshape(t, self.q_size))
         gate, up = self.gate_up_proj(rms_norm(x, self.post_norm, self.eps)).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)

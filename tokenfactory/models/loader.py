@@ -81,10 +81,6 @@ def load_model(path: str | Path | None = None) -> LoadedModel:
     if loaded.tokenizer.vocab_size > loaded.config.vocab_size:
         raise ValueError(f"{resolved}: the tokenizer has {loaded.tokenizer.vocab_size} tokens but the embedding "
                          f"only {loaded.config.vocab_size} rows")
-    if loaded.config.sliding_window is not None:
-        logger.warning("%s: sliding-window attention (window %d tokens) is not supported yet; the engine "
-                       "attends to the full context, so outputs differ from the reference once a sequence "
-                       "is longer than the window", resolved, loaded.config.sliding_window)
     logger.info("loaded %s model %s (%s, %d layers, %.1fM parameters) in %.2f s", model_format, resolved,
                 loaded.config.architecture, loaded.config.num_layers, loaded.config.num_params / 1e6,
                 time.perf_counter() - start)

@@ -14,11 +14,14 @@
 // block_tables (S, max_blocks) int64; seq_lens (S,) int64: keys of each sequence, this step's included;
 // query_start (S + 1,) int64: sequence s owns rows [query_start[s], query_start[s + 1]) of q, and its row r
 // of n sits at position seq_lens[s] - n + r. Returns (T, num_heads, d) in q's dtype.
+// An int8 cache (paged_decode_attention_int8) carries one float16 scale per (KV head, slot) for keys and for
+// values; a sliding window (window > 0) limits each row to its last `window` keys.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -26,6 +29,8 @@ namespace {
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
+inline float to_float(int8_t x) { return static_cast<float>(x); }
+inline float to_float(double x) { return static_cast<float>(x); }
 
 // Blocks are scattered over the pool (the free list is LRU order after any churn): the hardware prefetcher
 // does not follow a jump to the next block, so ask for it while this one is being computed.
@@ -51,55 +56,84 @@ inline void axpy(float w, const T* __restrict v, float* __restrict acc, int64_t 
 
 // D > 0: the head size known at compile time (64, 128: the common ones), so the per-token loops unroll and
 // their partial sums stay in registers; D == 0: any head size, read from `head_dim`.
-template <typename T, int64_t D>
-void attend_task(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t len,
-                 int64_t num_rows, int64_t num_heads, int64_t head, int64_t group, int64_t head_dim,
-                 int64_t num_blocks, int64_t block_size, float scale, T* out, std::vector<float>& buf) {
+// C is the cache's element type: T itself, or int8_t for an int8 KV cache, whose one scale per (head, slot)
+// (float16, beside the blocks: k_scale/v_scale (num_kv_heads, num_blocks, block_size)) multiplies a key's dot
+// product and a value's weight, so an int8 block is read in place, never expanded.
+// window > 0: row r at position p sees only keys [p - window + 1, p] (sliding-window attention); blocks
+// wholly before the first row's window are never touched (they may have been freed and reused).
+template <typename T, typename C, int64_t D>
+void attend_task(const T* q, const C* k_cache, const C* v_cache, const c10::Half* k_scale,
+                 const c10::Half* v_scale, const int64_t* table, int64_t len, int64_t num_rows, int64_t num_heads,
+                 int64_t head, int64_t group, int64_t head_dim, int64_t num_blocks, int64_t block_size,
+                 int64_t window, float scale, T* out, std::vector<float>& buf) {
+  constexpr bool quantized = std::is_same<C, int8_t>::value;
   const int64_t d = D > 0 ? D : head_dim;
-  // Queries: num_rows x group, row r (of this sequence's chunk) sees keys [0, len - num_rows + r].
-  // buf: queries * d query floats, queries * len scores, queries * d accumulators.
+  // Queries: num_rows x group, row r (of this sequence's chunk) sees keys [lo_r, len - num_rows + r].
+  // Keys are indexed from `base` (the first block any row sees); span = len - base.
+  const int64_t first_lo = window > 0 ? std::max<int64_t>(0, len - num_rows - window + 1) : 0;
+  const int64_t base = first_lo / block_size * block_size;
+  const int64_t span = len - base;
+  // buf: queries * d query floats, queries * span scores, queries * d accumulators.
   const int64_t nq = num_rows * group;
-  buf.resize(static_cast<size_t>(nq * (2 * d + len)));
+  buf.resize(static_cast<size_t>(nq * (2 * d + span)));
   float* qf = buf.data();
   float* scores = qf + nq * d;
-  float* acc = scores + nq * len;
+  float* acc = scores + nq * span;
   for (int64_t r = 0; r < num_rows; ++r)
     for (int64_t i = 0; i < group * d; ++i) qf[r * group * d + i] = to_float(q[r * num_heads * d + i]) * scale;
   const int64_t head_offset = head * num_blocks * block_size * d;
+  const int64_t scale_offset = head * num_blocks * block_size;
   // This head's part of the block holding tokens t0.. (of keys or values), the next one prefetched.
-  auto block = [&](const T* cache, int64_t t0) {
-    const T* head_cache = cache + head_offset;
+  auto block = [&](const C* cache, int64_t t0) {
+    const C* head_cache = cache + head_offset;
     if (t0 + block_size < len) prefetch_block(head_cache + table[t0 / block_size + 1] * block_size * d, block_size * d);
     return head_cache + table[t0 / block_size] * block_size * d;
   };
-  // Every query scores every key (a row's few keys past its own position are zeroed below): one pass
+  // Every query scores every key (a row's few keys outside its window are zeroed below): one pass
   // over the keys serves all rows of a speculative chunk.
-  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-    const T* kb = block(k_cache, t0);
+  for (int64_t t0 = base; t0 < len; t0 += block_size) {
+    const C* kb = block(k_cache, t0);
     const int64_t n = std::min(block_size, len - t0);
-    for (int64_t t = 0; t < n; ++t)
-      for (int64_t j = 0; j < nq; ++j) scores[j * len + t0 + t] = dot(qf + j * d, kb + t * d, d);
+    float* st = scores + (t0 - base);
+    for (int64_t t = 0; t < n; ++t) {
+      if constexpr (quantized) {
+        const float ks = static_cast<float>(k_scale[scale_offset + table[t0 / block_size] * block_size + t]);
+        for (int64_t j = 0; j < nq; ++j) st[j * span + t] = dot(qf + j * d, kb + t * d, d) * ks;
+      } else {
+        for (int64_t j = 0; j < nq; ++j) st[j * span + t] = dot(qf + j * d, kb + t * d, d);
+      }
+    }
   }
   std::fill(acc, acc + nq * d, 0.f);
   std::vector<float> denom(static_cast<size_t>(nq));
   for (int64_t j = 0; j < nq; ++j) {
-    const int64_t visible = len - num_rows + j / group + 1;
-    float* s = scores + j * len;
-    const float m = *std::max_element(s, s + visible);
+    const int64_t pos = len - num_rows + j / group;  // this row's position: its last visible key
+    const int64_t lo = (window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0) - base;
+    const int64_t visible = pos + 1 - base;
+    float* s = scores + j * span;
+    const float m = *std::max_element(s + lo, s + visible);
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < visible; ++t) {
+    for (int64_t t = lo; t < visible; ++t) {
       s[t] = std::exp(s[t] - m);
       sum += s[t];
     }
-    std::fill(s + visible, s + len, 0.f);
+    std::fill(s, s + lo, 0.f);
+    std::fill(s + visible, s + span, 0.f);
     denom[j] = sum;
   }
-  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-    const T* vb = block(v_cache, t0);
+  for (int64_t t0 = base; t0 < len; t0 += block_size) {
+    const C* vb = block(v_cache, t0);
     const int64_t n = std::min(block_size, len - t0);
-    for (int64_t t = 0; t < n; ++t)
-      for (int64_t j = 0; j < nq; ++j) axpy(scores[j * len + t0 + t], vb + t * d, acc + j * d, d);
+    const float* st = scores + (t0 - base);
+    for (int64_t t = 0; t < n; ++t) {
+      if constexpr (quantized) {
+        const float vs = static_cast<float>(v_scale[scale_offset + table[t0 / block_size] * block_size + t]);
+        for (int64_t j = 0; j < nq; ++j) axpy(st[j * span + t] * vs, vb + t * d, acc + j * d, d);
+      } else {
+        for (int64_t j = 0; j < nq; ++j) axpy(st[j * span + t], vb + t * d, acc + j * d, d);
+      }
+    }
   }
   for (int64_t j = 0; j < nq; ++j) {
     const float inv = 1.f / denom[j];
@@ -108,24 +142,21 @@ void attend_task(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
   }
 }
 
-}  // namespace
-
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens,
-                                     torch::Tensor query_start, double scale) {
+// The checks every entry point shares: shapes, index dtypes, and that each sequence's rows and the blocks it
+// will read (those from its first window on) lie inside the cache.
+void check_decode_args(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                       const torch::Tensor& tables, const torch::Tensor& lens, const torch::Tensor& starts,
+                       int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "not contiguous");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(), "dtypes");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && seq_lens.scalar_type() == torch::kLong &&
-                  query_start.scalar_type() == torch::kLong, "index dtype");
-  auto tables = block_tables.contiguous();
-  auto lens = seq_lens.contiguous();
-  auto starts = query_start.contiguous();
+  TORCH_CHECK(tables.scalar_type() == torch::kLong && lens.scalar_type() == torch::kLong &&
+                  starts.scalar_type() == torch::kLong, "index dtype");
   const int64_t num_seqs = tables.size(0), num_heads = q.size(1), d = q.size(2);
   const int64_t num_kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == d && num_heads % num_kv_heads == 0, "head dims");
   TORCH_CHECK(lens.size(0) == num_seqs && starts.size(0) == num_seqs + 1, "one length and start per sequence");
-  const int64_t group = num_heads / num_kv_heads, max_blocks = tables.size(1);
+  TORCH_CHECK(window >= 0, "window must be >= 0");
+  const int64_t max_blocks = tables.size(1);
   const int64_t* lens_p = lens.data_ptr<int64_t>();
   const int64_t* starts_p = starts.data_ptr<int64_t>();
   const int64_t* tables_p = tables.data_ptr<int64_t>();
@@ -134,36 +165,86 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     const int64_t rows = starts_p[s + 1] - starts_p[s];
     TORCH_CHECK(rows >= 1 && rows <= lens_p[s], "query rows of a sequence must be 1..its length");
     TORCH_CHECK(lens_p[s] <= max_blocks * block_size, "sequence length outside its table");
-    for (int64_t b = 0; b < (lens_p[s] + block_size - 1) / block_size; ++b) {
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, lens_p[s] - rows - window + 1) : 0;
+    for (int64_t b = lo / block_size; b < (lens_p[s] + block_size - 1) / block_size; ++b) {
       const int64_t block = tables_p[s * max_blocks + b];
       TORCH_CHECK(block >= 0 && block < num_blocks, "block id outside the cache");
     }
   }
+}
+
+template <typename T, typename C>
+void run_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                const c10::Half* ks, const c10::Half* vs, const torch::Tensor& tables, const torch::Tensor& lens,
+                const torch::Tensor& starts, double scale, int64_t window, torch::Tensor& out) {
+  const int64_t num_seqs = tables.size(0), num_heads = q.size(1), d = q.size(2);
+  const int64_t num_kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads, max_blocks = tables.size(1);
+  const int64_t* lens_p = lens.data_ptr<int64_t>();
+  const int64_t* starts_p = starts.data_ptr<int64_t>();
+  const int64_t* tables_p = tables.data_ptr<int64_t>();
+  const T* qp = q.data_ptr<T>();
+  const C* kp = static_cast<const C*>(k_cache.data_ptr());
+  const C* vp = static_cast<const C*>(v_cache.data_ptr());
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / num_kv_heads, h = task % num_kv_heads;
+      const int64_t offset = (starts_p[s] * num_heads + h * group) * d;
+      const int64_t rows = starts_p[s + 1] - starts_p[s];
+      const float sc = static_cast<float>(scale);
+      const int64_t* table = tables_p + s * max_blocks;
+      if (d == 64)
+        attend_task<T, C, 64>(qp + offset, kp, vp, ks, vs, table, lens_p[s], rows, num_heads, h, group, d,
+                              num_blocks, block_size, window, sc, op + offset, buf);
+      else if (d == 128)
+        attend_task<T, C, 128>(qp + offset, kp, vp, ks, vs, table, lens_p[s], rows, num_heads, h, group, d,
+                               num_blocks, block_size, window, sc, op + offset, buf);
+      else
+        attend_task<T, C, 0>(qp + offset, kp, vp, ks, vs, table, lens_p[s], rows, num_heads, h, group, d,
+                             num_blocks, block_size, window, sc, op + offset, buf);
+    }
+  });
+}
+
+}  // namespace
+
+// Caches in q's dtype; window 0: full attention.
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens,
+                                     torch::Tensor query_start, double scale, int64_t window) {
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(), "dtypes");
+  auto tables = block_tables.contiguous();
+  auto lens = seq_lens.contiguous();
+  auto starts = query_start.contiguous();
+  check_decode_args(q, k_cache, v_cache, tables, lens, starts, window);
   auto out = torch::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    const scalar_t* qp = q.data_ptr<scalar_t>();
-    const scalar_t* kp = k_cache.data_ptr<scalar_t>();
-    const scalar_t* vp = v_cache.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> buf;
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t s = task / num_kv_heads, h = task % num_kv_heads;
-        const int64_t offset = (starts_p[s] * num_heads + h * group) * d;
-        const int64_t rows = starts_p[s + 1] - starts_p[s];
-        const float sc = static_cast<float>(scale);
-        const int64_t* table = tables_p + s * max_blocks;
-        if (d == 64)
-          attend_task<scalar_t, 64>(qp + offset, kp, vp, table, lens_p[s], rows, num_heads, h, group, d,
-                                    num_blocks, block_size, sc, op + offset, buf);
-        else if (d == 128)
-          attend_task<scalar_t, 128>(qp + offset, kp, vp, table, lens_p[s], rows, num_heads, h, group, d,
-                                     num_blocks, block_size, sc, op + offset, buf);
-        else
-          attend_task<scalar_t, 0>(qp + offset, kp, vp, table, lens_p[s], rows, num_heads, h, group, d,
-                                   num_blocks, block_size, sc, op + offset, buf);
-      }
-    });
+    run_decode<scalar_t, scalar_t>(q, k_cache, v_cache, nullptr, nullptr, tables, lens, starts, scale, window, out);
+  });
+  return out;
+}
+
+// int8 caches with float16 scales (num_kv_heads, num_blocks, block_size) for keys and values.
+torch::Tensor paged_decode_attention_int8(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                          torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor block_tables,
+                                          torch::Tensor seq_lens, torch::Tensor query_start, double scale,
+                                          int64_t window) {
+  TORCH_CHECK(k_cache.scalar_type() == torch::kChar && v_cache.scalar_type() == torch::kChar, "int8 caches");
+  TORCH_CHECK(k_scale.scalar_type() == torch::kHalf && v_scale.scalar_type() == torch::kHalf, "float16 scales");
+  TORCH_CHECK(k_scale.is_contiguous() && v_scale.is_contiguous() && k_scale.dim() == 3 &&
+                  k_scale.size(0) == k_cache.size(0) && k_scale.size(1) == k_cache.size(1) &&
+                  k_scale.size(2) == k_cache.size(2) && v_scale.sizes() == k_scale.sizes(), "scale shapes");
+  auto tables = block_tables.contiguous();
+  auto lens = seq_lens.contiguous();
+  auto starts = query_start.contiguous();
+  check_decode_args(q, k_cache, v_cache, tables, lens, starts, window);
+  auto out = torch::empty_like(q);
+  const c10::Half* ks = k_scale.data_ptr<c10::Half>();
+  const c10::Half* vs = v_scale.data_ptr<c10::Half>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention_int8", [&] {
+    run_decode<scalar_t, int8_t>(q, k_cache, v_cache, ks, vs, tables, lens, starts, scale, window, out);
   });
   return out;
 }
@@ -205,6 +286,11 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Release the GIL like PyTorch's own ops: the server's event loop runs while the engine thread computes.
-  m.def("paged_decode_attention", &paged_decode_attention, py::call_guard<py::gil_scoped_release>());
+  m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("block_tables"), py::arg("seq_lens"), py::arg("query_start"), py::arg("scale"),
+        py::arg("window") = 0, py::call_guard<py::gil_scoped_release>());
+  m.def("paged_decode_attention_int8", &paged_decode_attention_int8, py::arg("q"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("query_start"), py::arg("scale"), py::arg("window") = 0, py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>());
 }
