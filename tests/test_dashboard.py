@@ -163,3 +163,24 @@ def test_an_admin_sees_tenants_and_a_tenant_key_is_refused(authed):
     assert acme["budget_unit"] == "usd" and acme["budget_left"] == pytest.approx(1.0 - acme["usd"])
     [last] = tenants["recent"][:1]
     assert last["tenant"] == "acme" and last["status"] == "finished" and last["completion_tokens"] > 0
+
+
+def test_a_fleet_is_viewed_per_replica_from_its_status():
+    """The fleet's client (fleet/fleet.py) offers status() -> ReplicaStatus(replica_id, stats, ...) and
+    replicas[id].client.facts; the dashboard reads those, one view per replica."""
+    from types import SimpleNamespace
+
+    from tokenfactory.gateway.dashboard_feed import replicas_of
+
+    fleet = SimpleNamespace(
+        status=lambda: [SimpleNamespace(replica_id="r0", stats=stats(num_running=2)),
+                        SimpleNamespace(replica_id="r1", stats=stats(num_waiting=5))],
+        replicas={"r0": SimpleNamespace(client=SimpleNamespace(facts={"kv_bytes": 2e9})),
+                  "r1": SimpleNamespace(client=SimpleNamespace())},
+        stats=lambda: pytest.fail("a fleet's sum is not read when its replicas are"))
+    r0, r1 = replicas_of(fleet)
+    assert (r0.name, r0.stats.num_running, r0.facts) == ("r0", 2, {"kv_bytes": 2e9})
+    assert (r1.name, r1.stats.num_waiting, r1.facts) == ("r1", 5, {})
+    single = SimpleNamespace(stats=lambda: stats(num_running=1))
+    [local] = replicas_of(single, {"weight_bytes": 1})
+    assert local.name == "local" and local.facts == {"weight_bytes": 1}

@@ -130,6 +130,14 @@ class AsyncEngine:
         weights); its running state belongs to the engine thread alone."""
         return self._engine
 
+    @property
+    def facts(self) -> dict[str, object]:
+        """What does not change while it runs, as the fleet's workers report it (WorkerReady.facts): the
+        dashboard's memory split (weights, KV cache) reads it."""
+        cap = self._engine.capacity
+        return {"device": str(self._engine.device), "weight_bytes": self._engine.weight_bytes,
+                "kv_bytes": cap.total_bytes, "kv_blocks": cap.num_blocks, "kv_tokens": cap.num_tokens}
+
     def start(self) -> None:
         """Start stepping (an engine from `launch` is already stepping)."""
         if not self._thread.is_alive():

@@ -53,11 +53,17 @@ class Sample:
     tpot_buckets: tuple[tuple[float, float], ...]
 
 
-def replicas_of(engine: EngineClient) -> tuple[Replica, ...]:
-    """One Replica per engine behind the client: the fleet's `replicas` mapping, or the client itself."""
-    fleet = getattr(engine, "replicas", None)
-    clients: Mapping[str, Any] = fleet if fleet else {"local": engine}
-    return tuple(Replica(name, c.stats(), dict(getattr(c, "facts", None) or {})) for name, c in clients.items())
+def replicas_of(engine: EngineClient, default_facts: Mapping[str, Any] | None = None) -> tuple[Replica, ...]:
+    """One Replica per engine behind the client: a fleet's `status()` (ReplicaStatus: replica_id, stats), with
+    facts from its `replicas[id].client.facts`; else the client itself as "local", with its `facts` or
+    `default_facts` (what serve knows of its in-process engine)."""
+    status = getattr(engine, "status", None)
+    if callable(status):
+        id_to_replica = getattr(engine, "replicas", None) or {}
+        return tuple(Replica(s.replica_id, s.stats, dict(getattr(getattr(id_to_replica.get(s.replica_id), "client",
+                                                                         None), "facts", None) or {}))
+                     for s in status())
+    return (Replica("local", engine.stats(), dict(getattr(engine, "facts", None) or default_facts or {})),)
 
 
 def buckets(histogram: Histogram) -> tuple[tuple[float, float], ...]:
@@ -176,6 +182,7 @@ class DashboardFeed:
         self._points: deque[tuple[int, dict[str, Any]]] = deque(maxlen=max(int(history_s / interval_s), 1))
         self._samples: deque[Sample] = deque(maxlen=latency_window + 1)
         self._seq = 0
+        self.default_facts: dict[str, Any] = {}  # weight_bytes, kv_bytes of a client that has no `facts`
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -192,7 +199,7 @@ class DashboardFeed:
             self._thread = None
 
     def sample(self) -> Sample:
-        return Sample(self._wall(), self._clock(), replicas_of(self.engine),
+        return Sample(self._wall(), self._clock(), replicas_of(self.engine, self.default_facts),
                       self.meter.totals() if self.meter is not None else None,
                       buckets(self._ttft), buckets(self._tpot))
 
