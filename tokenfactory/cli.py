@@ -15,6 +15,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "tokenfactory.bench.cli",  # bench offline | serve | sweep | compare | report
     "tokenfactory.tenants.cli",  # tenants add|list|update|remove, keys create|list|revoke
     "tokenfactory.quality.cli",  # quantize, eval
+    "tokenfactory.gateway.batch_cli",  # batch run
 )
 
 

@@ -35,6 +35,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=parse_memory, default=None,
                    help="KV cache size: bytes (2GiB) or a fraction of free memory (0.5)")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--batch-share", type=float, default=0.1,
+                   help="of --max-num-seqs, the share of seats kept for batch jobs while they have work, so a busy "
+                        "server still finishes them; the rest they fill only when idle (docs/batch.md)")
     p.add_argument("--quantization", default="auto",
                    help="weights: auto (a GGUF keeps its own quantization), none, int8, int4, int4-g64, ...")
     p.add_argument("--seed", type=int, default=0)
@@ -60,6 +63,7 @@ def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201 - EngineC
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
+                        batch_min_share=getattr(args, "batch_share", 0.1),
                         quantization=args.quantization,
                         single_thread_step_tokens=getattr(args, "single_thread_step_tokens", 0),
                         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
@@ -89,6 +93,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--auth", action="store_true",
                    help="require API keys (tenants and keys in --data-dir; see `tokenfactory tenants` and `keys`)")
     add_limit_args(p)
+    p.add_argument("--batch-lines-in-flight", type=int, default=32,
+                   help="Batch API lines in the engine at once, all jobs together (docs/batch.md)")
     p.set_defaults(func=serve)
 
 
@@ -213,6 +219,7 @@ def serve(args: argparse.Namespace) -> int:
     from tokenfactory.engine.client import ChargeEnergy
     from tokenfactory.engine.memory import resolve_device
     from tokenfactory.gateway.app import ServerSettings, build_app
+    from tokenfactory.gateway.batch import BatchSettings
     from tokenfactory.gateway.limits import raise_fd_limit, wrap_app
 
     try:
@@ -238,7 +245,8 @@ def serve(args: argparse.Namespace) -> int:
 
     settings = ServerSettings(served_model_name=name, max_waiting=args.max_waiting,
                               max_body_bytes=int(args.max_body_bytes),
-                              stream_send_timeout_s=args.stream_send_timeout)
+                              stream_send_timeout_s=args.stream_send_timeout,
+                              batch=BatchSettings(max_lines_in_flight=args.batch_lines_in_flight))
     tenancy, auth_line = build_tenancy(args, async_engine, accounting)
     app = build_app(async_engine, settings, accounting, on_shutdown=shutdown, tenancy=tenancy)
     cap = engine.capacity
