@@ -140,7 +140,7 @@ def test_kv_cache_full_and_preemptions_climbing():
                                         d_energy={"nvml": 300.0}))
     f = _only(findings, "KV cache is 97% full")
     assert f.severity == "warning"
-    assert "15 sequences were preempted" in f.message and "fp8 KV cache" in f.message
+    assert "15 sequences were preempted" in f.message and "--kv-cache-dtype int8" in f.message
     assert f.evidence["preemptions"] == 15 and f.evidence["kv_cache_usage"] == pytest.approx(0.97)
 
 

@@ -46,8 +46,10 @@ def test_kv_cache_shorter_than_max_model_len():
                          free_memory_bytes=40 * GIB, max_num_seqs=16)
     errors = [f for f in findings if f.severity == "error"]
     assert len(errors) == 1
+    # An 8-bit cache holds 2 * 128 / (128 + 2) times the tokens: 6,112 (in whole 16-token blocks), not 8,192.
     assert ("The KV cache holds 3,104 tokens but max_model_len is 8,192: lower it to 3,072 or give the cache "
-            "2.5 GiB more memory.") == errors[0].message
+            "2.5 GiB more memory, or use --kv-cache-dtype int8 (the same memory holds 6,112 tokens: not enough "
+            "alone).") == errors[0].message
     assert errors[0].evidence["kv_cache_tokens"] == 3104
 
 

@@ -58,7 +58,7 @@ def test_plan_for_a_model_that_does_not_fit_says_what_to_change(catalog):
 def test_fp8_kv_and_shorter_context_advice(catalog):
     plan = _plan(catalog, model="Llama-3.1-8B", device="RTX-4090", max_model_len=8192, concurrency=64)
     text = " ".join(plan.recommendations)
-    assert "sequences fit in the KV cache" in text and "fp8 KV cache" in text
+    assert "sequences fit in the KV cache" in text and "--kv-cache-dtype int8" in text
     kv_fp8 = _plan(catalog, model="Llama-3.1-8B", device="RTX-4090", max_model_len=8192, kv_dtype="fp8")
     assert kv_fp8.memory.kv_capacity_tokens == pytest.approx(2 * plan.memory.kv_capacity_tokens, rel=0.01)
 

@@ -34,6 +34,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", type=parse_memory, default=None,
                    help="KV cache size: bytes (2GiB) or a fraction of free memory (0.5)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
+                   help="KV cache storage: auto (the model's dtype), int8 or fp8 (8 bits with a scale per head and "
+                        "token: about twice the tokens in the same memory; docs/memory.md)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--batch-share", type=float, default=0.1,
                    help="of --max-num-seqs, the share of seats kept for batch jobs while they have work, so a busy "
@@ -63,6 +66,7 @@ def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201 - EngineC
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
+                        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                         batch_min_share=getattr(args, "batch_share", 0.1),
                         quantization=args.quantization,
                         single_thread_step_tokens=getattr(args, "single_thread_step_tokens", 0),

@@ -38,7 +38,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="catalog device, e.g. H100-SXM, A100-80GB, RTX-4090, CPU-Xeon-8480-2S")
     p.add_argument("--devices", type=int, help="cards per replica (tensor parallel); default 1")
     p.add_argument("--precision", help="weights: bf16, fp16, fp8, int8, int4, int4-g32, fp32, gguf (as stored)")
-    p.add_argument("--kv-dtype", default="auto", help="KV cache: auto (activation dtype), bf16, fp16, fp8, fp32")
+    p.add_argument("--kv-dtype", default="auto", help="KV cache: auto (activation dtype), bf16, fp16, int8, fp8, fp32")
     p.add_argument("--max-model-len", type=int, help="default: the model's context, capped at 8,192")
     p.add_argument("--catalog", action="append", default=[], metavar="PATH",
                    help="extra catalog file or directory (TOML/JSON; repeatable; later wins)")

@@ -6,7 +6,9 @@
 
 Each check is a function in CHECKS returning Findings; a Finding is one paragraph with numbers and
 the change to make, plus its evidence as numbers. The KV cache's dtype follows the activations:
-dtype_bytes if >= 2, else 2 (quantised weights still cache K/V in 16-bit).
+dtype_bytes if >= 2, else 2 (quantised weights still cache K/V in 16-bit), unless `kv_cache_dtype` is int8
+or fp8: one byte a value plus a 2-byte scale per KV head and token (tokenfactory.layers.kv_quant). When the
+KV cache is what limits, the findings name `--kv-cache-dtype int8` and what it would hold.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class _Ctx:
     free_memory_bytes: int
     max_num_seqs: int
     weights_bytes: int
+    kv_cache_dtype: str = "auto"
 
     @property
     def kv_dtype_bytes(self) -> int:
@@ -71,7 +74,20 @@ class _Ctx:
 
     @property
     def kv_bytes_per_token(self) -> int:
+        if self.kv_cache_dtype in KV_8BIT:
+            return kv8_bytes_per_token(self.model)
         return self.model.kv_bytes_per_token(self.kv_dtype_bytes)
+
+    def kv_tokens_at(self, bytes_per_token: int) -> int:
+        return self.kv_bytes // (bytes_per_token * BLOCK_SIZE) * BLOCK_SIZE
+
+    def int8_hint(self, need_tokens: int) -> str:
+        """' or --kv-cache-dtype int8 (N tokens)' when an 8-bit cache is not in use yet; '' otherwise."""
+        if self.kv_cache_dtype in KV_8BIT:
+            return ""
+        tokens = self.kv_tokens_at(kv8_bytes_per_token(self.model))
+        fits = "enough" if tokens >= need_tokens else "not enough alone"
+        return f", or use --kv-cache-dtype int8 (the same memory holds {count(tokens)} tokens: {fits})"
 
     @property
     def reserve_bytes(self) -> int:
@@ -95,11 +111,17 @@ class _Ctx:
 
 
 Check = Callable[[_Ctx], list[Finding]]
+KV_8BIT = ("int8", "fp8")
+
+
+def kv8_bytes_per_token(model: ModelConfig) -> int:
+    """An 8-bit KV cache: 2 (K, V) · layers · kv_heads · (head_dim values of 1 byte + a float16 scale)."""
+    return 2 * model.num_layers * model.num_kv_heads * (model.head_dim + 2)
 
 
 def preflight(model: ModelConfig, *, device: str, dtype_bytes: float, max_model_len: int,
               kv_cache_bytes: int | None, free_memory_bytes: int, max_num_seqs: int,
-              weights_bytes: int | None = None) -> list[Finding]:
+              weights_bytes: int | None = None, kv_cache_dtype: str = "auto") -> list[Finding]:
     """Everything that stops `model` from serving with these settings (errors), what will hurt
     (warnings), and a summary (info). Pure: the caller measures free memory."""
     for name, value in (("dtype_bytes", dtype_bytes), ("max_model_len", max_model_len),
@@ -109,7 +131,8 @@ def preflight(model: ModelConfig, *, device: str, dtype_bytes: float, max_model_
     if free_memory_bytes < 0 or (kv_cache_bytes is not None and kv_cache_bytes < 0):
         raise ValueError("free_memory_bytes and kv_cache_bytes must be >= 0")
     ctx = _Ctx(model, device, dtype_bytes, max_model_len, kv_cache_bytes, free_memory_bytes,
-               max_num_seqs, weights_bytes if weights_bytes is not None else int(model.num_params * dtype_bytes))
+               max_num_seqs, weights_bytes if weights_bytes is not None else int(model.num_params * dtype_bytes),
+               kv_cache_dtype)
     findings = []
     for check in CHECKS:
         findings.extend(check(ctx))
@@ -171,7 +194,7 @@ def check_kv_holds_one_sequence(ctx: _Ctx) -> list[Finding]:
                         "sequence) by quantizing the weights or using a larger card.", evidence)]
     return [Finding("error", f"The KV cache holds {count(tokens)} tokens but max_model_len is "
                     f"{count(ctx.max_model_len)}: lower it to {count(round_down_len(tokens))} or give the cache "
-                    f"{gib(more)} more memory.", evidence)]
+                    f"{gib(more)} more memory{ctx.int8_hint(need)}.", evidence)]
 
 
 def check_concurrency(ctx: _Ctx) -> list[Finding]:
@@ -184,7 +207,8 @@ def check_concurrency(ctx: _Ctx) -> list[Finding]:
     return [Finding("warning", f"The KV cache holds {count(tokens)} tokens: {seqs} sequences of max_model_len "
                     f"{count(ctx.max_model_len)} at once, but max_num_seqs is {ctx.max_num_seqs}; when requests "
                     f"run long they will be preempted and recomputed. Lower max_num_seqs to {seqs}, lower "
-                    f"max_model_len to {count(shorter)}, or give the cache more memory.",
+                    f"max_model_len to {count(shorter)}, or give the cache more memory"
+                    f"{ctx.int8_hint(per_seq * ctx.max_num_seqs)}.",
                     {"kv_cache_tokens": tokens, "full_length_seqs": seqs, "max_num_seqs": ctx.max_num_seqs})]
 
 

@@ -133,8 +133,9 @@ def kv_pressure(w: Window) -> list[Finding]:
     span = f"in the last {w.seconds:.0f} s" if w.before else "since start-up"
     return [Finding("warning", f"The KV cache is {pct(usage)} full and {count(preempted)} sequences were "
                     f"preempted {span}: long contexts do not fit together, so sequences are evicted and "
-                    "recomputed. Lower max_num_seqs, lower max_model_len, use an fp8 KV cache, or give the "
-                    "cache more memory (a larger card or quantized weights).",
+                    "recomputed. Lower max_num_seqs, lower max_model_len, use an 8-bit KV cache "
+                    "(--kv-cache-dtype int8: about twice the tokens; an fp8 KV cache on cards that have it), or "
+                    "give the cache more memory (a larger card or quantized weights).",
                     {"kv_cache_usage": usage, "preemptions": preempted, "window_s": w.seconds})]
 
 

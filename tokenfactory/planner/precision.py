@@ -54,8 +54,9 @@ ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp
            "fp8_e4m3": "fp8", "float8": "fp8", "q8_0": "int8", "w8a16": "int8", "w4a16": "int4"}
 _GROUPED = re.compile(r"^int4-g(\d+)$")
 
-# KV-cache dtypes: bytes per cached value.
-KV_DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+# KV-cache dtypes: bytes per cached value. int8 and fp8 are the engine's --kv-cache-dtype (one float16 scale per
+# KV head and token rides beside them: 2/head_dim bytes per value, 3% at head_dim 64, not counted here).
+KV_DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
 
 
 def parse_precision(name: str) -> Precision:

@@ -67,8 +67,9 @@ def kv_cache_too_small(plan: Plan) -> str | None:
         return None
     cap = mem.kv_capacity_tokens
     fp8 = ""
-    if plan.kv_dtype_bytes > 1:
-        fp8 = f", or use an fp8 KV cache ({count(_memory_with(plan, kv_dtype='fp8').kv_capacity_tokens)} tokens)"
+    if plan.kv_dtype_bytes > 1:  # the engine's --kv-cache-dtype int8: one byte a value (and a small scale)
+        fp8 = (f", or use an 8-bit KV cache (--kv-cache-dtype int8: "
+               f"{count(_memory_with(plan, kv_dtype='int8').kv_capacity_tokens)} tokens)")
     return (f"The KV cache holds {count(cap)} tokens but max_model_len is {count(mem.max_model_len)}: "
             f"lower --max-model-len to {count(round_down_len(cap))} or give the cache more memory{fp8}.")
 
@@ -80,7 +81,8 @@ def concurrency_at_full_length(plan: Plan) -> str | None:
     per_seq = round_down_len(mem.kv_capacity_tokens // req.concurrency)
     fp8 = ""
     if plan.kv_dtype_bytes > 1:
-        fp8 = f", or use an fp8 KV cache ({_memory_with(plan, kv_dtype='fp8').max_seqs_at_max_len})"
+        seqs = _memory_with(plan, kv_dtype="int8").max_seqs_at_max_len
+        fp8 = f", or use an 8-bit KV cache (--kv-cache-dtype int8: {seqs})"
     return (f"At max_model_len {count(mem.max_model_len)} only {mem.max_seqs_at_max_len} of "
             f"{req.concurrency} sequences fit in the KV cache ({count(mem.kv_capacity_tokens)} tokens); "
             f"long requests will be preempted. Lower --max-model-len to {count(per_seq)} to hold "
