@@ -46,6 +46,8 @@ class EngineCollector(Collector):
             c.add_metric([self.model_name], value)
             return c
 
+        yield gauge("engine_alive", "1 while the engine steps; 0 once it stopped (alerts: a replica down).",
+                    float(s.alive))
         yield gauge("num_requests_running", "Sequences in the running batch.", s.num_running)
         yield gauge("num_requests_waiting", "Sequences and requests waiting to be scheduled.", s.num_waiting)
         yield gauge("kv_cache_usage_perc", "Share of KV-cache blocks in use (0..1).", s.kv_cache_usage)
