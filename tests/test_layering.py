@@ -24,6 +24,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("engine", ("tokenfactory.engine",)),
     ("services", ("tokenfactory.meter", "tokenfactory.tenants", "tokenfactory.planner", "tokenfactory.quality",
                   "tokenfactory.bench")),
+    ("fleet", ("tokenfactory.fleet",)),
     ("gateway", ("tokenfactory.gateway",)),
     ("cli", ("tokenfactory.cli",)),
 )
@@ -36,7 +37,7 @@ PUBLIC_API: frozenset[tuple[str, str]] = frozenset({("tokenfactory", "tokenfacto
 # delete an entry the day its link goes (the test fails on an entry that no longer matches anything).
 ALLOWED: frozenset[tuple[str, str]] = frozenset()
 
-TORCH_FREE = ("tokenfactory.meter", "tokenfactory.tenants", "tokenfactory.planner")
+TORCH_FREE = ("tokenfactory.meter", "tokenfactory.tenants", "tokenfactory.planner", "tokenfactory.fleet")
 
 
 def module_name(path: Path) -> str:

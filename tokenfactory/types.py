@@ -180,10 +180,21 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when the engine failed this request alone (its outputs end with ERROR)
+    # An external backend's own count of its completion tokens (fleet/backend.py), and where the counts come
+    # from: None for our engine's; "backend" (its usage) or "tokenizer" (it sent none: our tokenizer counted).
+    num_completion_tokens_reported: int | None = None
+    tokens_source: str | None = None
+    replica: str | None = None  # the fleet's replica that made it (None: a single engine)
 
     @property
     def finished(self) -> bool:
         return self.error is not None or all(o.finished for o in self.outputs)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        if self.num_completion_tokens_reported is not None:
+            return self.num_completion_tokens_reported
+        return sum(len(c.token_ids) for c in self.outputs)
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ from tokenfactory.engine.client import (
 )
 from tokenfactory.engine.engine import LLMEngine
 from tokenfactory.engine.output_stream import OutputStream, RequestFailed, read_outputs
+from tokenfactory.engine.worker import EngineWorker
 from tokenfactory.models.tokenizer import Tokenizer
 from tokenfactory.types import RequestOutput
 
@@ -95,6 +96,7 @@ class AsyncEngine:
 
     def _setup(self, engine: LLMEngine) -> None:
         self._engine = engine
+        self._worker = EngineWorker(engine)
         self._info = engine.info
         self.inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self.streams: dict[str, tuple[asyncio.AbstractEventLoop, OutputStream]] = {}
@@ -181,10 +183,10 @@ class AsyncEngine:
         try:
             while self._drain_inbox(block=not engine.has_unfinished_requests):
                 if engine.has_unfinished_requests:
-                    for out in engine.step():
-                        if out.error is not None:
-                            self._deliver(out.request_id, RequestFailed(out.request_id, out.error))
-                            continue
+                    outputs, failures = self._worker.step()
+                    for request_id, reason in failures:
+                        self._deliver(request_id, RequestFailed(request_id, reason))
+                    for out in outputs:
                         self._deliver(out.request_id, out)
                         if out.finished:
                             for listener in self.finish_listeners:
@@ -213,30 +215,12 @@ class AsyncEngine:
             block = False
             if isinstance(msg, Shutdown):
                 return False
-            if isinstance(msg, AbortRequest):
-                self._engine.abort_request(msg.request_id)
-            elif isinstance(msg, SetTenantWeight):
-                self._engine.set_tenant_weight(msg.tenant, msg.weight)
-            elif isinstance(msg, ChargeEnergy):
-                self._engine.charge_energy(dict(msg.request_id_to_joules))
-            else:
-                self._add(msg)
-
-    def _add(self, msg: AddRequest) -> None:
-        self.num_taken += 1
-        if msg.request_id not in self.streams:
-            return  # the client left before the engine saw the request
-        try:
-            self._engine.add_request({"prompt_token_ids": msg.prompt_token_ids}, msg.params, msg.request_id,
-                                     arrival_time=msg.arrival_time, tenant=msg.tenant, priority=msg.priority,
-                                     prompt_text=msg.prompt)
-        except ValueError as e:
-            self._deliver(msg.request_id, RequestFailed(msg.request_id, str(e)))
-        except Exception as e:  # noqa: BLE001 - a request that cannot be added fails alone
-            logger.exception("request %s could not be added", msg.request_id)
-            self._engine.abort_request(msg.request_id)
-            self._deliver(msg.request_id, RequestFailed(msg.request_id, f"the engine could not take this "
-                                                        f"request: {type(e).__name__}: {e}"))
+            if isinstance(msg, AddRequest):
+                self.num_taken += 1
+                if msg.request_id not in self.streams:
+                    continue  # the client left before the engine saw the request
+            if (failure := self._worker.apply(msg)) is not None:
+                self._deliver(failure[0], RequestFailed(*failure))
 
     def _deliver(self, request_id: str, item: RequestOutput | RequestFailed) -> None:
         target = self.streams.get(request_id)

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from tokenfactory.types import ParameterError, RequestOutput, SamplingParams
+from tokenfactory.types import ParameterError, RequestOutput, SamplingParams, StepStats
 
 if TYPE_CHECKING:
     from tokenfactory.config import ModelConfig
@@ -38,6 +38,7 @@ class AddRequest:
     arrival_time: float
     tenant: str
     priority: int
+    user: str | None = None  # the API's `user`: a fleet may keep a session on one replica
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,31 @@ class ModelInfo:
         if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
             raise ParameterError("stop_token_ids", f"stop_token_ids must be token ids of this model, in "
                                  f"[0, {self.vocab_size})")
+
+
+# -- what a worker in another process sends back (the fleet's replicas; engine/worker.py) ---------------------
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    """A worker's first message: its model built and warmed up. `facts` are the start-up banner's figures."""
+
+    info: ModelInfo
+    tokenizer: Tokenizer
+    stats: EngineStats
+    facts: Mapping[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WorkerEvents:
+    """What a worker made since its last batch: outputs, requests it failed alone, the steps' statistics (the
+    meter's input), and its latest snapshot. An empty batch is a heartbeat."""
+
+    outputs: tuple[RequestOutput, ...] = ()
+    failures: tuple[tuple[str, str], ...] = ()  # (request_id, reason)
+    steps: tuple[StepStats, ...] = ()
+    stats: EngineStats | None = None
+    dead_reason: str | None = None  # set in the last batch of a worker whose engine stopped
 
 
 class EngineClient(Protocol):

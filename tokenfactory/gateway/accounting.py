@@ -108,7 +108,7 @@ class Accounting:
                       status: str, tenant: str) -> dict[str, object]:
         parts = []
         for rid, out in zip(engine_ids, finals, strict=True):
-            num_out = sum(len(c.token_ids) for c in out.outputs) if out is not None else 0
+            num_out = out.num_completion_tokens if out is not None else 0
             parts.append(self.meter.finish_request(rid, num_out))
         energy = merge_energy(api_request_id, parts)
         await self._commit(self._row(energy, finals, status, tenant))
@@ -124,11 +124,12 @@ class Accounting:
         return row_for(
             energy, model=self.model_name, status=status, tenant=tenant,
             prompt_tokens=sum(len(o.prompt_token_ids) for o in done),
-            completion_tokens=sum(len(c.token_ids) for o in done for c in o.outputs),
+            completion_tokens=sum(o.num_completion_tokens for o in done),
             cached_tokens=sum(o.num_cached_tokens for o in done),
             ttft_s=min(first_tokens) - min(arrivals) if first_tokens and arrivals else None,
             latency_s=max(e for e in ends if e is not None) - min(arrivals)
-            if arrivals and any(e is not None for e in ends) else None)
+            if arrivals and any(e is not None for e in ends) else None,
+            replica="+".join(sorted({o.replica for o in done if o.replica is not None})) or None)
 
     async def _commit(self, row: LedgerRow) -> None:
         """The row in the database, or in the journal if the write is slow; never raises for the database."""

@@ -202,7 +202,7 @@ class Reservation:
 
 def actual_use(finals: Sequence[RequestOutput | None], use: Mapping[str, Any]) -> Actual:
     done = [o for o in finals if o is not None]
-    tokens = sum(len(o.prompt_token_ids) + sum(len(c.token_ids) for c in o.outputs) for o in done)
+    tokens = sum(len(o.prompt_token_ids) + o.num_completion_tokens for o in done)
     return Actual(tokens, use.get("energy_joules"), use.get("cost_usd"))
 
 

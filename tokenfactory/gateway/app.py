@@ -22,12 +22,14 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tokenfactory.engine.client import EngineClient
+from tokenfactory.fleet.fleet import Fleet
 from tokenfactory.gateway import dashboard
 from tokenfactory.gateway.accounting import Accounting
 from tokenfactory.gateway.admin import Tenancy
 from tokenfactory.gateway.admission import Admission
 from tokenfactory.gateway.batch_api import install_batch_routes
 from tokenfactory.gateway.errors import APIError, BodySizeLimit, install_error_handlers
+from tokenfactory.gateway.fleet_routes import install_fleet_routes
 from tokenfactory.gateway.metrics import ServerMetrics
 from tokenfactory.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from tokenfactory.gateway.serving import Handler, ServerSettings
@@ -63,6 +65,8 @@ def build_app(engine: EngineClient, settings: ServerSettings, accounting: Accoun
     app.state.metrics = metrics
     install_error_handlers(app, lambda status: metrics.errors.labels(settings.served_model_name, str(status)).inc())
     tenancy.install(app, lambda status: metrics.errors.labels(settings.served_model_name, str(status)).inc())
+    if isinstance(engine, Fleet):  # /admin/replicas and per-replica /metrics (fleet_routes.py)
+        install_fleet_routes(app, engine, metrics.registry, tenancy)
     app.state.dashboard = dashboard.install(app, engine, metrics, accounting, tenancy)  # /dashboard (dashboard.py)
 
     @app.get("/health")

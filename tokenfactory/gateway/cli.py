@@ -7,6 +7,8 @@ import logging
 import re
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 logger = logging.getLogger("tokenfactory.serve")
 
@@ -54,9 +56,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", default="none",
                    help="speculative decoding: none, ngram, draft:PATH or self-int4 (docs/speculative.md)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="most draft tokens per sequence and step")
-    p.add_argument("--scheduling-policy", default="fcfs",
+    p.add_argument("--scheduling-policy", default=None,
                    help="waiting-queue order: fcfs, vtc (priority bands + weighted fair share in tokens) or "
-                        "vtc-joules (the same, counted in measured joules); see docs/tenants.md")
+                        "vtc-joules (the same, counted in measured joules); default vtc with --auth (the "
+                        "tenants' priorities and weights apply), else fcfs; see docs/tenants.md")
 
 
 def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201 - EngineConfig (imported lazily)
@@ -66,12 +69,20 @@ def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201 - EngineC
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
-                        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                         batch_min_share=getattr(args, "batch_share", 0.1),
+                        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                         quantization=args.quantization,
                         single_thread_step_tokens=getattr(args, "single_thread_step_tokens", 0),
                         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
-                        scheduling_policy=getattr(args, "scheduling_policy", "fcfs"))
+                        scheduling_policy=scheduling_policy(args))
+
+
+def scheduling_policy(args: argparse.Namespace) -> str:
+    """The flag's, or the default: with --auth the tenants' priorities and weights apply (vtc)."""
+    chosen = getattr(args, "scheduling_policy", None)
+    if chosen:
+        return chosen
+    return "vtc" if getattr(args, "auth", False) else "fcfs"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -99,7 +110,43 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_limit_args(p)
     p.add_argument("--batch-lines-in-flight", type=int, default=32,
                    help="Batch API lines in the engine at once, all jobs together (docs/batch.md)")
+    add_fleet_args(p)
     p.set_defaults(func=serve)
+
+
+def add_fleet_args(p: argparse.ArgumentParser) -> None:
+    """Replicas behind the gateway (docs/fleet.md)."""
+    from tokenfactory.fleet.router import ROUTERS
+
+    g = p.add_argument_group("fleet")
+    g.add_argument("--replicas", type=int, default=1,
+                   help="engine replicas of the model: 1 runs it in this process; N > 1 starts N local processes "
+                        "(or Ray actors with --ray), each with its share of the cores; 0 with --backend only")
+    g.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="place the replicas as Ray actors: on a local Ray (no ADDRESS) or an existing cluster")
+    g.add_argument("--backend", action="append", type=_backend_spec, default=[], metavar="URL[,model=..]",
+                   help="an external OpenAI-compatible server of the same model as a replica (repeatable): "
+                        "URL[,model=NAME][,device=CATALOG_DEVICE][,key=API_KEY]")
+    g.add_argument("--router", default="least-work", choices=sorted(ROUTERS),
+                   help="routing policy: least-work (outstanding tokens), prefix (prefix affinity, load "
+                        "fallback) or energy (lowest marginal joules per token within a TTFT bound)")
+    g.add_argument("--sticky-sessions", action="store_true", help="keep a request's `user` on one replica")
+    g.add_argument("--replica-timeout", type=float, default=10.0,
+                   help="seconds a replica may stay silent before it counts as hung and is restarted")
+
+
+def _backend_spec(text: str):  # noqa: ANN202 - BackendSpec
+    from tokenfactory.fleet.launch import BackendSpec
+
+    try:
+        return BackendSpec.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def fleet_mode(args: argparse.Namespace) -> bool:
+    return getattr(args, "replicas", 1) != 1 or getattr(args, "ray", None) is not None or bool(
+        getattr(args, "backend", []))
 
 
 def add_limit_args(p: argparse.ArgumentParser) -> None:
@@ -195,7 +242,8 @@ def build_accounting(args: argparse.Namespace, model_config, device_type: str, n
     from tokenfactory.meter.sources import choose_power_source
 
     choice = choose_power_source(PowerConfig(source=args.power_source, constant_watts=args.power_watts,
-                                             cpu_tdp_watts=args.cpu_tdp_watts))
+                                             cpu_tdp_watts=args.cpu_tdp_watts,
+                                             count_child_processes=fleet_mode(args)))
     for reason in choice.skipped:
         logger.info("power: %s", reason)
     prices = load_prices(Path(args.prices) if args.prices else None, device=args.device_profile,
@@ -214,35 +262,111 @@ def accelerator_name(device_type: str) -> str | None:
     return torch.cuda.get_device_name()
 
 
+@dataclass
+class Started:
+    """What serve needs from the engine side, single engine or fleet."""
+
+    client: Any  # an EngineClient: AsyncEngine or Fleet
+    accounting: Any  # Accounting
+    name: str
+    banner: list[str]  # "  key  value" lines: model, device, KV (one engine) or replicas (a fleet)
+    power: str
+    prices: str
+
+
+def start_engine(args: argparse.Namespace) -> Started:
+    """One engine in this process: built, warmed up and stepped on one thread (AsyncEngine.launch says why)."""
+    from tokenfactory.engine.async_engine import AsyncEngine
+    from tokenfactory.engine.memory import resolve_device
+
+    config, loaded = load_checked(args)
+    name = served_name(str(loaded.path), args.served_model_name)
+    accounting, power, prices = build_accounting(args, loaded.config, resolve_device(config.device).type, name)
+    client = AsyncEngine.launch(lambda: make_engine(config, loaded, [accounting.meter.on_step],
+                                                    getattr(args, "threads", None)))
+    engine, cap = client.engine, client.engine.capacity
+    banner = [f"  model   {engine.model_path}",
+              f"  device  {engine.device} ({str(engine.dtype).removeprefix('torch.')}), "
+              f"{engine.weight_bytes / 2**20:.0f} MiB of weights",
+              f"  KV      {cap.num_tokens} tokens in {cap.num_blocks} blocks ({cap.total_bytes / 2**30:.2f} GiB); "
+              f"max_model_len {cap.max_model_len} -> {cap.max_concurrent_seqs:.1f} sequences at full length"]
+    return Started(client, accounting, name, banner, power, prices)
+
+
+def start_fleet(args: argparse.Namespace) -> Started:
+    """Replicas in local processes or on Ray, and external backends, behind one Fleet (docs/fleet.md)."""
+    from pathlib import Path
+
+    from tokenfactory.engine.memory import resolve_device
+    from tokenfactory.fleet.energy import FleetMeter
+    from tokenfactory.fleet.fleet import Fleet
+    from tokenfactory.fleet.launch import backend_replicas, cpu_power, start_local_replicas
+    from tokenfactory.fleet.router import make_router
+    from tokenfactory.meter.prices import load_prices
+
+    config = engine_config_from_args(args)
+    if args.replicas < 0 or (args.replicas == 0 and not args.backend):
+        raise ValueError("--replicas must be >= 1, or 0 with at least one --backend")
+    power_model = cpu_power(max(args.replicas, 1), args.cpu_tdp_watts)
+    replicas = start_local_replicas(config, args.replicas, args.ray or None, args.ray is not None,
+                                    getattr(args, "threads", None), args.replica_timeout, power_model) \
+        if args.replicas else []
+    if replicas:
+        info, tokenizer, facts = replicas[0].client.info, replicas[0].client.tokenizer, replicas[0].client.facts
+        model_path = str(facts["model_path"])
+    else:
+        config, loaded = load_checked(args)
+        info, tokenizer, model_path = model_info(config, loaded), loaded.tokenizer, str(loaded.path)
+    name = served_name(model_path, args.served_model_name)
+    accounting, power, prices = build_accounting(args, info.config, resolve_device(config.device).type, name)
+    prices_path = Path(args.prices) if args.prices else None
+    backends, energies = backend_replicas(
+        args.backend, name, info, tokenizer,
+        lambda device: load_prices(prices_path, device_name=device, device_type="cuda" if device else "cpu"))
+    if energies:
+        accounting.meter = FleetMeter(accounting.meter, energies)
+    fleet = Fleet(name, replicas + backends, make_router(args.router, args.sticky_sessions))
+    meter = accounting.meter
+    fleet.step_listeners.append(lambda replica_id, step: meter.on_step(step))
+    fleet.start()
+    banner = [f"  model   {model_path}", f"  fleet   {len(fleet.replicas)} replicas, router {fleet.router.name}"]
+    for r in fleet.replicas.values():
+        facts = getattr(r.client, "facts", {})
+        where = f"pid {facts['pid']}" if "pid" in facts else getattr(r.client, "url", "")
+        banner.append(f"    {r.replica_id:4} {r.kind:8} {r.device:6} {where}; routing watts {r.idle_watts:.0f} idle / "
+                      f"{r.busy_watts:.0f} busy")
+    return Started(fleet, accounting, name, banner, power, prices)
+
+
+def model_info(config, loaded):  # noqa: ANN001, ANN201 - ModelInfo of a model loaded here (a backends-only fleet)
+    from tokenfactory.engine.client import ModelInfo
+
+    return ModelInfo(str(loaded.path), config.max_model_len or loaded.config.max_position_embeddings,
+                     loaded.tokenizer.vocab_size, loaded.config, eos_token_ids=tuple(loaded.tokenizer.eos_token_ids))
+
+
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvicorn
     from sqlalchemy.exc import SQLAlchemyError
 
-    from tokenfactory.engine.async_engine import AsyncEngine
     from tokenfactory.engine.client import ChargeEnergy
-    from tokenfactory.engine.memory import resolve_device
     from tokenfactory.gateway.app import ServerSettings, build_app
     from tokenfactory.gateway.batch import BatchSettings
     from tokenfactory.gateway.limits import raise_fd_limit, wrap_app
 
     try:
         limits = limit_settings_from_args(args)
-        config, loaded = load_checked(args)
-        name = served_name(str(loaded.path), args.served_model_name)
-        accounting, power, prices = build_accounting(args, loaded.config, resolve_device(config.device).type, name)
-        # Built, warmed up and stepped on one thread (AsyncEngine.launch says why).
-        async_engine = AsyncEngine.launch(lambda: make_engine(config, loaded, [accounting.meter.on_step],
-                                                              getattr(args, "threads", None)))
-    except (ValueError, FileNotFoundError, OSError, SQLAlchemyError) as e:
+        started = start_fleet(args) if fleet_mode(args) else start_engine(args)
+    except (ValueError, RuntimeError, FileNotFoundError, OSError, SQLAlchemyError) as e:
         print(f"tokenfactory serve: cannot start: {e}", file=sys.stderr)
         return 2
-    engine = async_engine.engine  # for the banner: capacity, device, weights
-    if args.scheduling_policy == "vtc-joules":  # the meter's measured joules charge the tenants' counters
-        accounting.meter.energy_listeners.append(lambda joules: async_engine.send(ChargeEnergy(joules)))
+    client, accounting, name = started.client, started.accounting, started.name
+    if scheduling_policy(args) == "vtc-joules":  # the meter's measured joules charge the tenants' counters
+        accounting.meter.energy_listeners.append(lambda joules: client.send(ChargeEnergy(joules)))
 
     def shutdown() -> None:  # after uvicorn drained the requests and the app its pending ledger rows
-        async_engine.shutdown()
+        client.shutdown()
         tenancy.shutdown()
         accounting.meter.close()
         accounting.close()
@@ -251,21 +375,15 @@ def serve(args: argparse.Namespace) -> int:
                               max_body_bytes=int(args.max_body_bytes),
                               stream_send_timeout_s=args.stream_send_timeout,
                               batch=BatchSettings(max_lines_in_flight=args.batch_lines_in_flight))
-    tenancy, auth_line = build_tenancy(args, async_engine, accounting)
-    app = build_app(async_engine, settings, accounting, on_shutdown=shutdown, tenancy=tenancy)
-    cap = engine.capacity
-    print(f"tokenfactory serving {name}\n"
-          f"  model   {engine.model_path}\n"
-          f"  device  {engine.device} ({str(engine.dtype).removeprefix('torch.')}), "
-          f"{engine.weight_bytes / 2**20:.0f} MiB of weights\n"
-          f"  KV      {cap.num_tokens} tokens in {cap.num_blocks} blocks ({cap.total_bytes / 2**30:.2f} GiB); "
-          f"max_model_len {cap.max_model_len} -> {cap.max_concurrent_seqs:.1f} sequences at full length\n"
-          f"  power   {power}\n"
-          f"  prices  {prices}\n"
-          f"  ledger  {display_url(accounting.ledger.url)}\n"
-          f"  auth    {auth_line}\n"
-          f"  limits  {limits.describe()}\n"
-          f"  url     http://{args.host}:{args.port}/v1", flush=True)
+    tenancy, auth_line = build_tenancy(args, client, accounting)
+    app = build_app(client, settings, accounting, on_shutdown=shutdown, tenancy=tenancy)
+    print("\n".join([f"tokenfactory serving {name}", *started.banner,
+                     f"  power   {started.power}",
+                     f"  prices  {started.prices}",
+                     f"  ledger  {display_url(accounting.ledger.url)}",
+                     f"  auth    {auth_line}",
+                     f"  limits  {limits.describe()}",
+                     f"  url     http://{args.host}:{args.port}/v1"]), flush=True)
     if fd_warning := raise_fd_limit(limits):
         logger.warning("limits: %s", fd_warning)
     uvicorn.run(wrap_app(app, limits), host=args.host, port=args.port, log_level=args.log_level.lower(),
@@ -287,9 +405,9 @@ def build_tenancy(args: argparse.Namespace, client, accounting):  # noqa: ANN001
     admission = Admission(accounting.ledger, max_waiting=args.max_waiting)
     if not args.auth:
         return (Tenancy(None, admission, set_weight),
-                f"off (anyone who can reach the port can use it); scheduling {args.scheduling_policy}")
+                f"off (anyone who can reach the port can use it); scheduling {scheduling_policy(args)}")
     store = TenantStore(accounting.ledger.engine)
     num_tenants, num_admin = len(store.list_tenants()), sum(k.is_admin for k in store.list_keys())
     hint = "" if num_admin else "; no admin key yet: `tokenfactory keys create --admin`"
     return (Tenancy(store, admission, set_weight),
-            f"on: API keys required ({num_tenants} tenants){hint}; scheduling {args.scheduling_policy}")
+            f"on: API keys required ({num_tenants} tenants){hint}; scheduling {scheduling_policy(args)}")

@@ -58,7 +58,7 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # accepted, recorded nowhere
+    user: str | None = None  # a fleet keeps a user's session on one replica with --sticky-sessions
     logit_bias: dict[str, float] | None = None
     # vLLM's extra sampling parameters
     top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)

@@ -23,10 +23,13 @@ def finish_reason(reason: FinishReason | None) -> str | None:
 
 def usage_dict(finals: list[RequestOutput], extra: dict[str, Any] | None = None) -> dict[str, Any]:
     prompt = sum(len(o.prompt_token_ids) for o in finals)
-    completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
+    completion = sum(o.num_completion_tokens for o in finals)
     cached = sum(o.num_cached_tokens for o in finals)
     usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
              "prompt_tokens_details": {"cached_tokens": cached}}
+    sources = {o.tokens_source for o in finals if o.tokens_source is not None}
+    if sources:  # an external backend served it: whose counts these are
+        usage["tokens_source"] = "+".join(sorted(sources))
     usage.update(extra or {})
     return usage
 

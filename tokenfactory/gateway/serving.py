@@ -171,7 +171,7 @@ class Handler:
         try:
             priority = getattr(request.state, "priority", reservation.priority)
             adds = [AddRequest(f"{request_id}-{i}", p.token_ids, p.text, p.params, time.monotonic(),
-                               reservation.tenant, priority) for i, p in enumerate(prepared)]
+                               reservation.tenant, priority, body.user) for i, p in enumerate(prepared)]
             settlement = Settlement(self.accounting, self.background, request_id, adds, reservation)
         except BaseException:
             reservation.cancel()
@@ -240,8 +240,8 @@ class Handler:
         from tokenfactory.meter.cli import parse_since
 
         assert self.accounting is not None
-        if group_by not in (None, "day", "tenant", "model"):
-            raise ParameterError("group_by", f"group_by must be day, tenant or model, got {group_by!r}")
+        if group_by not in (None, "day", "tenant", "model", "replica"):
+            raise ParameterError("group_by", f"group_by must be day, tenant, model or replica, got {group_by!r}")
         try:
             since_dt = parse_since(since) if since else None
         except ValueError as e:

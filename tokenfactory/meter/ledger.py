@@ -93,6 +93,7 @@ class LedgerRow:
     ttft_s: float | None = None
     latency_s: float | None = None
     created_at: dt.datetime = field(default_factory=utc_now)
+    replica: str | None = None  # the fleet's replica (or replicas, joined by '+') that served it
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -109,7 +110,7 @@ class LedgerRow:
 
 def row_for(energy: RequestEnergy, *, model: str, status: str, prompt_tokens: int, completion_tokens: int,
             cached_tokens: int = 0, tenant: str = ANONYMOUS, ttft_s: float | None = None,
-            latency_s: float | None = None) -> LedgerRow:
+            latency_s: float | None = None, replica: str | None = None) -> LedgerRow:
     """The ledger row for a request the meter has finished (Meter.finish_request's result)."""
     return LedgerRow(
         request_id=energy.request_id, model=model, status=status, prompt_tokens=prompt_tokens,
@@ -117,7 +118,7 @@ def row_for(energy: RequestEnergy, *, model: str, status: str, prompt_tokens: in
         energy_joules=energy.energy_joules, energy_source=energy.energy_source, energy_scope=energy.energy_scope,
         energy_overhead_factor=energy.energy_overhead_factor, device_seconds=energy.device_seconds,
         cost_device_usd=energy.cost_device_usd, cost_energy_usd=energy.cost_energy_usd, cost_usd=energy.cost_usd,
-        ttft_s=ttft_s, latency_s=latency_s,
+        ttft_s=ttft_s, latency_s=latency_s, replica=replica,
     )
 
 
@@ -154,6 +155,7 @@ GROUP_BY_COLUMNS: dict[str, sa.ColumnElement[Any]] = {
     "day": sa.func.date(requests_table.c.created_at),  # SQLite date(), PostgreSQL date()
     "tenant": requests_table.c.tenant,
     "model": requests_table.c.model,
+    "replica": requests_table.c.replica,  # from the rows: the daily sums are not kept per replica
 }
 
 
@@ -171,6 +173,7 @@ class Ledger:
         if create:
             metadata.create_all(self._engine)
             self._unique = self._ensure_unique_index()
+            self._ensure_replica_column()
             self._replay_at_start()
         else:
             self._unique = self._has_unique_index()
@@ -309,6 +312,17 @@ class Ledger:
             return False
         return any(i["unique"] and i["column_names"] == ["request_id"] for i in indexes)
 
+    def _ensure_replica_column(self) -> None:
+        """Ledgers made before the fleet have no replica column: added (nullable, so old rows read NULL)."""
+        try:
+            columns = {c["name"] for c in sa.inspect(self._engine).get_columns(requests_table.name)}
+            if "replica" not in columns:
+                with self._engine.begin() as conn:
+                    conn.execute(sa.text(f"ALTER TABLE {requests_table.name} ADD COLUMN replica VARCHAR(64)"))
+        except (sa.exc.SQLAlchemyError, OSError) as e:
+            logger.warning("ledger: cannot add the replica column (%s); rows are written without it",
+                           describe_failure(e))
+
     def _ensure_unique_index(self) -> bool:
         """Ledgers made before request_id was unique get the index now; old duplicates prevent it."""
         try:
@@ -359,7 +373,7 @@ class Ledger:
                                              f"got {group_by!r}")
         since = to_utc_naive(since) if since is not None else None
         with self._engine.connect() as conn:
-            if not self._rollup:
+            if not self._rollup or group_by == "replica":
                 parts = _raw_parts(conn, group_by, since, None, tenant)
             elif since is None:
                 parts = rollup.query(conn, group_by, None, tenant)

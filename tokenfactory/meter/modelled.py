@@ -102,12 +102,59 @@ def cpu_model_name(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
     return platform.processor() or None
 
 
+class TreeCpuTime:
+    """CPU seconds of this process and its descendants (a fleet's replica processes), from /proc; a child
+    that exits keeps the seconds it was last seen with, so the sum never goes back. Linux only: elsewhere
+    it is this process's time alone."""
+
+    SCAN_INTERVAL_S = 0.05
+
+    def __init__(self, proc: Path = Path("/proc")) -> None:
+        self.proc = proc
+        self._last_scan = float("-inf")
+        self.pid_to_seconds: dict[int, float] = {}
+        self._ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def __call__(self) -> float:
+        now = time.monotonic()
+        if now - self._last_scan >= self.SCAN_INTERVAL_S:  # /proc costs ~0.1 ms a scan; steps come faster
+            self._last_scan = now
+            self._scan()
+        return time.process_time() + sum(self.pid_to_seconds.values())
+
+    def _scan(self) -> None:
+        for pid in self._descendants(os.getpid()):
+            try:
+                fields = (self.proc / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            self.pid_to_seconds[pid] = (int(fields[11]) + int(fields[12])) / self._ticks  # utime + stime
+
+    def _descendants(self, pid: int) -> list[int]:
+        found, todo = [], [pid]
+        while todo:
+            parent = todo.pop()
+            try:
+                tasks = list((self.proc / str(parent) / "task").iterdir())
+            except OSError:
+                continue
+            for task in tasks:
+                try:
+                    children = [int(c) for c in (task / "children").read_text().split()]
+                except (OSError, ValueError):
+                    continue
+                found += children
+                todo += children
+        return found
+
+
 class ModelledSource:
     """Integrates modelled_watts() between reads, with the load measured over the same interval."""
 
     def __init__(self, cpu: CpuPower, num_cpus: int, clock: Clock = time.monotonic,
                  cpu_time: Clock = time.process_time) -> None:
         self._cpu, self._num_cpus, self._clock, self._cpu_time = cpu, num_cpus, clock, cpu_time
+        self._whose = "its replicas' and this process's" if isinstance(cpu_time, TreeCpuTime) else "this process's"
         self._lock = threading.Lock()
         self._last_wall, self._last_cpu = clock(), cpu_time()
         self._joules = 0.0
@@ -129,7 +176,7 @@ class ModelledSource:
         return self._cpu.tdp_watts
 
     def describe(self) -> str:
-        return (f"modelled: TDP {self._cpu.tdp_watts:.1f} W × (0.1 + 0.9·load³), load from this process's "
+        return (f"modelled: TDP {self._cpu.tdp_watts:.1f} W × (0.1 + 0.9·load³), load from {self._whose} "
                 f"CPU time over {self._num_cpus} CPUs ({self._cpu.basis}); an estimate, not a measurement")
 
     def read(self) -> EnergyReading | None:
@@ -149,5 +196,7 @@ class ModelledSource:
 def open_modelled(config: PowerConfig, clock: Clock = time.monotonic,
                   cpu_time: Clock = time.process_time) -> PowerSource:
     num_cpus = os.cpu_count() or 1
+    if config.count_child_processes and cpu_time is time.process_time:
+        cpu_time = TreeCpuTime()
     model = config.cpu_model if config.cpu_model is not None else cpu_model_name()
     return ModelledSource(lookup_tdp(model, num_cpus, config.cpu_tdp_watts), num_cpus, clock, cpu_time)

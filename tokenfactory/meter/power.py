@@ -85,6 +85,7 @@ class PowerConfig:
     rapl_include_dram: bool = True
     cpu_tdp_watts: float | None = None  # modelled: the machine's CPU TDP; None: from the table
     cpu_model: str | None = None  # modelled: CPU model string; None: read from /proc/cpuinfo
+    count_child_processes: bool = False  # modelled: the load includes child processes (a fleet's replicas)
     constant_watts: float | None = None  # constant: required
     constant_scope: str = "machine"  # constant: what the declared watts cover
 

@@ -34,6 +34,7 @@ requests_table = sa.Table(
     sa.Column("ttft_s", sa.Double, nullable=True),
     sa.Column("latency_s", sa.Double, nullable=True),
     sa.Column("created_at", sa.DateTime, nullable=False),  # naive UTC
+    sa.Column("replica", sa.String(64), nullable=True),  # the fleet's replica that served it (NULL: one engine)
     sa.Index("ix_requests_created_at", "created_at"),
     sa.Index("ix_requests_tenant_created_at", "tenant", "created_at"),
     sa.Index("ix_requests_model_created_at", "model", "created_at"),

@@ -1,0 +1,104 @@
+"""An engine driven by the client's messages, with what it makes returned as data: the core of every host.
+
+`EngineWorker` applies `AddRequest`/`AbortRequest`/`SetTenantWeight`/`ChargeEnergy` to an `LLMEngine` and
+steps it; a request that cannot be added fails alone. `AsyncEngine` (in process) delivers its results to
+event-loop streams; `serve_worker` is the loop of a replica in another process or a Ray actor
+(fleet/process.py, fleet/ray_replica.py): messages in through `recv`, one `WorkerEvents` batch out through
+`emit` after each step (outputs, failures, the step's `StepStats` for the gateway's meter, a snapshot), and a
+heartbeat batch while idle, so the other side can tell a hung worker from an idle one.
+
+The engine must be built on the thread that calls `serve_worker` (AsyncEngine.launch says why).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from tokenfactory.engine.client import (
+    AbortRequest,
+    AddRequest,
+    ChargeEnergy,
+    Message,
+    SetTenantWeight,
+    Shutdown,
+    WorkerEvents,
+)
+from tokenfactory.engine.engine import LLMEngine
+from tokenfactory.types import RequestOutput, StepStats
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_S = 0.5  # an idle worker's batch interval: the other side's hang detection counts on it
+
+
+class EngineWorker:
+    """One engine and its message handling (see the module's docstring)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.num_added = 0
+
+    def apply(self, msg: Message) -> tuple[str, str] | None:
+        """Apply one message; returns (request_id, reason) for a request that could not be added."""
+        engine = self.engine
+        if isinstance(msg, AbortRequest):
+            engine.abort_request(msg.request_id)
+        elif isinstance(msg, SetTenantWeight):
+            engine.set_tenant_weight(msg.tenant, msg.weight)
+        elif isinstance(msg, ChargeEnergy):
+            engine.charge_energy(dict(msg.request_id_to_joules))
+        elif isinstance(msg, AddRequest):
+            return self.add(msg)
+        return None
+
+    def add(self, msg: AddRequest) -> tuple[str, str] | None:
+        self.num_added += 1
+        try:
+            self.engine.add_request({"prompt_token_ids": msg.prompt_token_ids}, msg.params, msg.request_id,
+                                    arrival_time=msg.arrival_time, tenant=msg.tenant, priority=msg.priority,
+                                    prompt_text=msg.prompt)
+        except ValueError as e:
+            return msg.request_id, str(e)
+        except Exception as e:  # noqa: BLE001 - a request that cannot be added fails alone
+            logger.exception("request %s could not be added", msg.request_id)
+            self.engine.abort_request(msg.request_id)
+            return msg.request_id, f"the engine could not take this request: {type(e).__name__}: {e}"
+        return None
+
+    def step(self) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
+        """One engine step: the outputs it made, and the requests it failed alone."""
+        outputs, failures = [], []
+        for out in self.engine.step():
+            if out.error is not None:
+                failures.append((out.request_id, out.error))
+            else:
+                outputs.append(out)
+        return outputs, failures
+
+
+def serve_worker(engine: LLMEngine, recv: Callable[[float | None], list[Message]],
+                 emit: Callable[[WorkerEvents], None]) -> None:
+    """Step `engine` until a `Shutdown` arrives (or the engine breaks: the last batch says why).
+    `recv(timeout)` returns the messages that arrived (waiting up to `timeout` s for one; 0: none waited for)."""
+    worker = EngineWorker(engine)
+    steps: list[StepStats] = []
+    engine.step_listeners.append(steps.append)
+    try:
+        while True:
+            busy = engine.has_unfinished_requests
+            failures: list[tuple[str, str]] = []
+            for msg in recv(0.0 if busy else HEARTBEAT_S):
+                if isinstance(msg, Shutdown):
+                    return
+                if (failure := worker.apply(msg)) is not None:
+                    failures.append(failure)
+            outputs: list[RequestOutput] = []
+            if engine.has_unfinished_requests:
+                outputs, failed = worker.step()
+                failures += failed
+            emit(WorkerEvents(tuple(outputs), tuple(failures), tuple(steps), engine.stats()))
+            steps.clear()
+    except Exception as e:  # the engine itself is broken: say so once, then stop
+        logger.exception("engine worker crashed")
+        emit(WorkerEvents(dead_reason=f"the engine stopped: {type(e).__name__}: {e}"))

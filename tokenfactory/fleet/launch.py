@@ -1,0 +1,139 @@
+"""Building a fleet from `serve`'s flags: N local processes or Ray actors of the model, and external backends.
+
+`--replicas N` alone starts N local processes; with `--ray [ADDRESS]` they are Ray actors (a local Ray when
+no address is given). Each `--backend URL[,model=NAME][,device=PROFILE][,key=API_KEY]` adds an external
+OpenAI-compatible server serving the same model. Replicas start in parallel, each with its share of the
+machine's cores unless `--threads` says otherwise.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tokenfactory.engine.client import EngineClient
+from tokenfactory.fleet.backend import HTTPBackend
+from tokenfactory.fleet.energy import BackendEnergy
+from tokenfactory.fleet.fleet import Replica
+from tokenfactory.types import ParameterError
+
+if TYPE_CHECKING:
+    from tokenfactory.config import EngineConfig
+    from tokenfactory.engine.client import ModelInfo
+    from tokenfactory.meter.prices import Prices
+    from tokenfactory.models.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    url: str
+    model: str | None = None  # its model's name in its API (default: the fleet's served name)
+    device: str | None = None  # a catalog device (h100, a100, ...): its watts model the energy
+    api_key: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> BackendSpec:
+        """`URL[,model=NAME][,device=PROFILE][,key=API_KEY]`."""
+        url, *options = [part.strip() for part in text.split(",")]
+        if not url.startswith(("http://", "https://")):
+            raise ParameterError("backend", f"--backend needs an http(s) URL first, got {url!r}")
+        known = {"model", "device", "key"}
+        fields: dict[str, str] = {}
+        for option in options:
+            key, sep, value = option.partition("=")
+            if not sep or key not in known:
+                raise ParameterError("backend", f"--backend option {option!r} is not one of model=, device=, key=")
+            fields[key] = value
+        return cls(url, fields.get("model"), fields.get("device"), fields.get("key"))
+
+
+@dataclass(frozen=True)
+class DevicePower:
+    idle_watts: float
+    busy_watts: float
+    scope: str
+    source: str  # where the figures come from, for the banner
+
+
+def cpu_power(num_replicas: int, tdp_watts: float | None = None) -> DevicePower:
+    """A local replica's share of this machine's modelled CPU power (the router's figures; the meter measures)."""
+    from tokenfactory.meter.modelled import IDLE_FRACTION, lookup_tdp
+
+    model = _cpu_model()
+    power = lookup_tdp(model, os.cpu_count() or 1, tdp_watts)
+    share = power.tdp_watts / max(num_replicas, 1)
+    return DevicePower(share * IDLE_FRACTION, share, "cpu-package", power.basis)
+
+
+def catalog_power(device: str) -> DevicePower:
+    from tokenfactory.planner.catalog import load_catalog
+
+    d = load_catalog().device(device)
+    return DevicePower(d.idle_w.value, d.tdp_w.value, "gpu" if d.kind == "gpu" else "cpu-package",
+                       f"catalog {d.name}: {d.tdp_w.value:g} W TDP, {d.idle_w.value:g} W idle")
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def start_local_replicas(config: EngineConfig, num_replicas: int, ray_address: str | None, use_ray: bool,
+                         threads: int | None, hang_timeout_s: float, power: DevicePower) -> list[Replica]:
+    """N replicas of `config`, started in parallel; each restarts the same way when it dies."""
+    threads = threads or max(1, (os.cpu_count() or 1) // num_replicas)
+    if use_ray:
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
+        from tokenfactory.fleet.ray_replica import start_ray_replica
+
+        def start(name: str) -> EngineClient:
+            return start_ray_replica(name, config, threads, num_cpus=threads,
+                                     num_gpus=1.0 if config.device.startswith("cuda") else 0.0,
+                                     hang_timeout_s=hang_timeout_s)
+        kind = "ray"
+    else:
+        from tokenfactory.fleet.process import start_process_replica
+
+        def start(name: str) -> EngineClient:
+            return start_process_replica(name, config, threads, hang_timeout_s)
+        kind = "process"
+    names = [f"{kind[0]}{i}" for i in range(num_replicas)]
+    with concurrent.futures.ThreadPoolExecutor(num_replicas) as pool:
+        clients = list(pool.map(start, names))
+    return [Replica(name, client, kind, device=config.device, power_source="meter", idle_watts=power.idle_watts,
+                    busy_watts=power.busy_watts, restart=_restarter(start, name))
+            for name, client in zip(names, clients, strict=True)]
+
+
+def _restarter(start: Callable[[str], EngineClient], name: str) -> Callable[[], EngineClient]:
+    return lambda: start(name)
+
+
+def backend_replicas(specs: Sequence[BackendSpec], served_name: str, info: ModelInfo, tokenizer: Tokenizer,
+                     prices_for: Callable[[str | None], Prices]) -> tuple[list[Replica], list[BackendEnergy]]:
+    replicas, energies = [], []
+    for i, spec in enumerate(specs):
+        name = f"b{i}"
+        client = HTTPBackend(name, spec.url, spec.model or served_name, info, tokenizer, spec.api_key)
+        power = catalog_power(spec.device) if spec.device else cpu_power(1)
+        energy = BackendEnergy(name, power.busy_watts, power.scope, prices_for(spec.device))
+        client.request_listeners.append(energy.on_request)
+        replicas.append(Replica(name, client, "backend", device=spec.device or "unknown", power_source="modelled",
+                                idle_watts=power.idle_watts, busy_watts=power.busy_watts))
+        energies.append(energy)
+    return replicas, energies

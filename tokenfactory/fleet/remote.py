@@ -1,0 +1,220 @@
+"""An engine in another process or on Ray, behind the same `EngineClient` as the in-process one.
+
+The host (fleet/process.py, fleet/ray_replica.py) runs `engine.worker.serve_worker`; between it and this
+client a `Transport` carries the client's messages one way and `WorkerEvents` batches the other. A receiver
+thread reads the batches: each output goes to its request's `OutputStream` (one pending, merged if the reader
+is slow), each step's `StepStats` to the step listeners (the gateway's meter), the snapshot to `stats()`.
+
+A worker that is gone (the process died, the actor was killed, the pipe broke) or silent past
+`hang_timeout_s` (it heartbeats every 0.5 s while idle, and after every step) is dead: every open stream
+ends with `EngineDeadError` naming the replica and why, so the fleet can re-route the requests that had no
+output yet and end the others with a clear error, never a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Protocol
+
+from tokenfactory.engine.client import (
+    AbortRequest,
+    AddRequest,
+    ChargeEnergy,
+    EngineStats,
+    Message,
+    ModelInfo,
+    SetTenantWeight,
+    Shutdown,
+    WorkerEvents,
+    WorkerReady,
+)
+from tokenfactory.engine.output_stream import OutputStream, RequestFailed, read_outputs
+from tokenfactory.types import RequestOutput, StepStats
+
+if TYPE_CHECKING:
+    from tokenfactory.models.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerLost(RuntimeError):
+    """The worker's side of the transport is gone."""
+
+
+class Transport(Protocol):
+    """Messages to one worker and its event batches back. `recv` is called by one thread only."""
+
+    def send(self, message: Message) -> None:
+        """Queue a message for the worker; raises WorkerLost when it is gone."""
+        ...
+
+    def recv(self, timeout_s: float) -> WorkerEvents | None:
+        """The next batch, or None if none came within `timeout_s`; raises WorkerLost when it is gone."""
+        ...
+
+    def close(self, timeout_s: float) -> None:
+        """Ask the worker to stop (after a Shutdown was sent), and free the transport."""
+        ...
+
+    def kill(self) -> None:
+        """Stop the worker now (a hung one)."""
+        ...
+
+
+class RemoteEngine:
+    """An EngineClient over a Transport (see the module's docstring)."""
+
+    def __init__(self, name: str, transport: Transport, ready: WorkerReady, hang_timeout_s: float = 10.0) -> None:
+        self.name = name
+        self._transport = transport
+        self._info, self._tokenizer, self._stats = ready.info, ready.tokenizer, ready.stats
+        self.facts = dict(ready.facts)
+        self.hang_timeout_s = hang_timeout_s
+        self.streams: dict[str, tuple[asyncio.AbstractEventLoop, OutputStream]] = {}
+        self.step_listeners: list[Callable[[StepStats], None]] = []
+        self.finish_listeners: list[Callable[[RequestOutput], None]] = []
+        self._lock = threading.Lock()  # streams: added by the event loop, read by the receiver
+        self._dead_reason: str | None = None
+        self._num_in_flight_adds = 0  # sent, not yet reflected in a snapshot
+        self._last_event_time = time.monotonic()
+        self._receiver = threading.Thread(target=self._receive, name=f"replica-{name}-recv", daemon=True)
+
+    # -- EngineClient ------------------------------------------------------------------------------------
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer
+
+    @property
+    def is_alive(self) -> bool:
+        return self._dead_reason is None
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self._dead_reason
+
+    def start(self) -> None:
+        if not self._receiver.is_alive():
+            self._receiver.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if self._dead_reason is None:
+            try:
+                self._transport.send(Shutdown())
+            except WorkerLost:
+                pass
+        self._fail_all(f"replica {self.name} was shut down")
+        self._transport.close(timeout)
+        if self._receiver.is_alive() and self._receiver is not threading.current_thread():
+            self._receiver.join(timeout)
+
+    def kill(self, reason: str) -> None:
+        """Stop the worker now and fail its streams (a hung replica)."""
+        self._fail_all(reason)
+        self._transport.kill()
+
+    def send(self, message: SetTenantWeight | ChargeEnergy | AbortRequest) -> None:
+        if self._dead_reason is not None:
+            return
+        try:
+            self._transport.send(message)
+        except WorkerLost as e:
+            self._fail_all(f"replica {self.name} is gone: {e}")
+
+    def stats(self) -> EngineStats:
+        s = self._stats
+        return dataclasses.replace(s, num_waiting=s.num_waiting + self._num_in_flight_adds, alive=self.is_alive,
+                                   dead_reason=self._dead_reason)
+
+    def generate(self, request: AddRequest) -> AsyncIterator[RequestOutput]:
+        stream = OutputStream()
+
+        def start() -> None:
+            loop = asyncio.get_running_loop()
+            with self._lock:
+                if self._dead_reason is not None:
+                    stream.put(RequestFailed(request.request_id, self._dead_reason, fatal=True))
+                    return
+                self.streams[request.request_id] = (loop, stream)
+            self._num_in_flight_adds += 1
+            try:
+                self._transport.send(request)
+            except WorkerLost as e:
+                self._fail_all(f"replica {self.name} is gone: {e}")
+
+        def close(finished: bool) -> None:
+            with self._lock:
+                known = self.streams.pop(request.request_id, None) is not None
+            if known and not finished:
+                self.send(AbortRequest(request.request_id))
+
+        return read_outputs(stream, start, close)
+
+    # -- receiver thread ---------------------------------------------------------------------------------
+
+    def _receive(self) -> None:
+        try:
+            while self._dead_reason is None:
+                batch = self._transport.recv(min(1.0, self.hang_timeout_s))
+                now = time.monotonic()
+                if batch is None:
+                    if now - self._last_event_time > self.hang_timeout_s:
+                        self.kill(f"replica {self.name} hung: no word from it in {self.hang_timeout_s:g} s")
+                    continue
+                self._last_event_time = now
+                self._apply(batch)
+        except WorkerLost as e:
+            self._fail_all(f"replica {self.name} died: {e}")
+        except Exception as e:  # noqa: BLE001 - the receiver must never die silently and hang the streams
+            logger.exception("replica %s: receiver failed", self.name)
+            self._fail_all(f"replica {self.name}: its receiver failed: {type(e).__name__}: {e}")
+
+    def _apply(self, batch: WorkerEvents) -> None:
+        for step in batch.steps:
+            for listener in self.step_listeners:
+                listener(step)
+        if batch.stats is not None:
+            self._stats = batch.stats
+            self._num_in_flight_adds = 0
+        for request_id, reason in batch.failures:
+            self._deliver(request_id, RequestFailed(request_id, reason))
+        for out in batch.outputs:
+            self._deliver(out.request_id, out)
+            if out.finished:
+                for listener in self.finish_listeners:
+                    listener(out)
+        if batch.dead_reason is not None:
+            self._fail_all(f"replica {self.name}: {batch.dead_reason}")
+
+    def _deliver(self, request_id: str, item: RequestOutput | RequestFailed) -> None:
+        with self._lock:
+            target = self.streams.get(request_id)
+        if target is None:
+            if isinstance(item, RequestOutput) and not item.finished:
+                self.send(AbortRequest(request_id))  # nobody is listening any more
+            return
+        loop, stream = target
+        try:
+            loop.call_soon_threadsafe(stream.put, item)
+        except RuntimeError:  # the event loop is closed
+            pass
+
+    def _fail_all(self, reason: str) -> None:
+        with self._lock:
+            if self._dead_reason is None:
+                self._dead_reason = reason
+            targets = list(self.streams.items())
+        for request_id, (loop, stream) in targets:
+            try:
+                loop.call_soon_threadsafe(stream.put, RequestFailed(request_id, reason, fatal=True))
+            except RuntimeError:
+                pass

@@ -1,0 +1,109 @@
+"""The fleet's routes and metrics: `/admin/replicas` (list, drain, undrain) and per-replica series in /metrics.
+
+Replica management is an operator's: with `--auth` it needs an admin key, without it a loopback client.
+Per replica, /metrics carries `tokenfactory:replica_up`, its running and waiting requests, KV usage, the
+outstanding tokens the router counts, and counters of requests routed, re-routed away and failed mid-stream
+(docs/fleet.md); the fleet's sums stay under the single-engine names, so a dashboard carries over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+from collections.abc import Iterator
+
+from fastapi import FastAPI, Request
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from tokenfactory.fleet.fleet import Fleet, ReplicaStatus
+from tokenfactory.gateway.admin import Tenancy
+from tokenfactory.gateway.errors import APIError
+
+P = "tokenfactory:"
+
+
+class ReplicaCollector(Collector):
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        statuses = self.fleet.status()
+        labels = ["model_name", "replica", "kind"]
+
+        def family(cls: type, name: str, doc: str, value: object) -> GaugeMetricFamily | CounterMetricFamily:
+            f = cls(P + name, doc, labels=labels)
+            for s in statuses:
+                f.add_metric([s.model, s.replica_id, s.kind], float(value(s)))  # type: ignore[operator]
+            return f
+
+        g, c = GaugeMetricFamily, CounterMetricFamily
+        yield family(g, "replica_up", "1 while the replica takes new requests (alive, not draining)",
+                     lambda s: s.alive and s.state == "ready")
+        yield family(g, "replica_num_requests_running", "Sequences in the replica's batch",
+                     lambda s: s.stats.num_running)
+        yield family(g, "replica_num_requests_waiting", "Sequences waiting in the replica",
+                     lambda s: s.stats.num_waiting)
+        yield family(g, "replica_kv_cache_usage_perc", "The replica's KV-cache usage (1 = full)",
+                     lambda s: s.stats.kv_cache_usage)
+        yield family(g, "replica_outstanding_tokens", "Tokens the router counts as outstanding on the replica",
+                     lambda s: s.outstanding_tokens)
+        yield family(c, "replica_requests_routed", "Requests routed to the replica", lambda s: s.num_routed)
+        yield family(c, "replica_requests_rerouted", "Requests moved away from the replica before any output",
+                     lambda s: s.num_rerouted_away)
+        yield family(c, "replica_requests_failed_mid_stream", "Requests that ended with an error because the "
+                     "replica failed after their first output", lambda s: s.num_failed_mid_stream)
+        yield family(c, "replica_restarts", "Times the replica was restarted", lambda s: s.num_restarts)
+
+
+def status_json(s: ReplicaStatus) -> dict:
+    d = dataclasses.asdict(s)
+    stats = d.pop("stats")
+    d["num_running"], d["num_waiting"] = stats["num_running"], stats["num_waiting"]
+    d["kv_cache_usage"] = s.stats.kv_cache_usage
+    d["num_prefix_hits"], d["num_prefix_queries"] = stats["num_prefix_hits"], stats["num_prefix_queries"]
+    return d
+
+
+def install_fleet_routes(app: FastAPI, fleet: Fleet, registry: CollectorRegistry, tenancy: Tenancy) -> None:
+    registry.register(ReplicaCollector(fleet))
+
+    def check_operator(request: Request) -> None:
+        if tenancy.auth_on:
+            if not tenancy.principal(request).is_admin:
+                raise APIError(403, "managing replicas needs an admin key", "permission_error")
+            return
+        host = request.client.host if request.client else ""
+        try:
+            loopback = ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback:
+            raise APIError(403, "without --auth, replicas are managed from this machine only", "permission_error")
+
+    def replica(replica_id: str) -> None:
+        if replica_id not in fleet.replicas:
+            raise APIError(404, f"no replica {replica_id!r}; see GET /admin/replicas", "not_found_error",
+                           "replica_id")
+
+    @app.get("/admin/replicas")
+    async def list_replicas(request: Request) -> dict:
+        check_operator(request)
+        decisions = [dataclasses.asdict(d) for d in fleet.decisions[-20:]]
+        return {"object": "list", "model": fleet.model, "router": fleet.router.name,
+                "data": [status_json(s) for s in fleet.status()], "recent_decisions": decisions}
+
+    @app.post("/admin/replicas/{replica_id}/drain")
+    async def drain(replica_id: str, request: Request) -> dict:
+        check_operator(request)
+        replica(replica_id)
+        fleet.drain(replica_id)
+        return status_json(next(s for s in fleet.status() if s.replica_id == replica_id))
+
+    @app.post("/admin/replicas/{replica_id}/undrain")
+    async def undrain(replica_id: str, request: Request) -> dict:
+        check_operator(request)
+        replica(replica_id)
+        fleet.undrain(replica_id)
+        return status_json(next(s for s in fleet.status() if s.replica_id == replica_id))
