@@ -251,6 +251,22 @@ class Fleet:
         if r.state == "draining":
             r.state = "ready"
 
+    def add_replica(self, replica: Replica) -> None:
+        """A new replica (already started) joins the routing set."""
+        if replica.replica_id in self.replicas:
+            raise ValueError(f"replica {replica.replica_id!r} is already in the fleet")
+        self._attach(replica)
+        replica.client.start()
+        for tenant, weight in self._weights.items():
+            replica.client.send(SetTenantWeight(tenant, weight))
+        self.replicas[replica.replica_id] = replica
+
+    def remove_replica(self, replica_id: str, timeout_s: float = 10.0) -> None:
+        """Take a replica out and stop it; drain it first (and wait for `num_outstanding` 0) to lose nothing."""
+        replica = self.replicas.pop(replica_id)
+        self.router.forget(replica_id)
+        replica.client.shutdown(timeout_s)
+
     def status(self) -> list[ReplicaStatus]:
         return [ReplicaStatus(r.replica_id, r.kind, self.model, r.device, r.power_source, r.state,
                               r.client.is_alive, r.client.stats(), len(r.request_id_to_tokens),
