@@ -235,7 +235,7 @@ def build_accounting(args: argparse.Namespace, model_config, device_type: str, n
     from pathlib import Path
 
     from tokenfactory.gateway.accounting import Accounting
-    from tokenfactory.meter.attribution import Meter
+    from tokenfactory.meter.attribution import Meter, MeterConfig
     from tokenfactory.meter.ledger import Ledger
     from tokenfactory.meter.power import PowerConfig
     from tokenfactory.meter.prices import load_prices
@@ -248,7 +248,8 @@ def build_accounting(args: argparse.Namespace, model_config, device_type: str, n
         logger.info("power: %s", reason)
     prices = load_prices(Path(args.prices) if args.prices else None, device=args.device_profile,
                          device_name=accelerator_name(device_type), device_type=device_type)
-    meter = Meter(choice.source, model_config, prices).start()
+    device = accelerator_name(device_type) or device_type  # the label in /metrics and the utilisation rollup
+    meter = Meter(choice.source, model_config, prices, MeterConfig(device=device)).start()
     ledger = Ledger.open(args.data_dir, url=args.database_url)
     return Accounting(meter, ledger, name), choice.source.describe(), prices.describe()
 
