@@ -82,7 +82,7 @@ class Replica:
 
 @dataclass(frozen=True)
 class ReplicaStatus:
-    """A replica for /metrics, /admin/replicas and the dashboard."""
+    """A replica for /metrics, /fleet/replicas and the dashboard."""
 
     replica_id: str
     kind: str
@@ -117,8 +117,8 @@ class Fleet:
         self.router = router if router is not None else make_router("least-work")
         self.max_reroutes = max_reroutes
         self.check_interval_s, self.restart_backoff_s = check_interval_s, restart_backoff_s
-        self.step_listeners: list[Callable[[str, StepStats], None]] = []  # (replica_id, stats): the meter
-        self.decisions: list[RouteDecision] = []  # the most recent ones, for tests and /admin/replicas
+        self.step_listeners: list[Callable[[StepStats], None]] = []  # every replica's steps: the meter
+        self.decisions: list[RouteDecision] = []  # the most recent ones, for tests and /fleet/replicas
         self.request_id_to_replica: dict[str, str] = {}
         first = replicas[0].client
         self._info, self._tokenizer = first.info, first.tokenizer
@@ -282,7 +282,7 @@ class Fleet:
     def _on_step(self, replica: Replica, step: StepStats) -> None:
         replica.step_model.observe(len({w.request_id for w in step.work}), step.duration_s)
         for listener in self.step_listeners:
-            listener(replica.replica_id, step)
+            listener(step)
 
     def _supervise(self) -> None:
         while not self._stop.wait(self.check_interval_s):

@@ -65,7 +65,7 @@ def build_app(engine: EngineClient, settings: ServerSettings, accounting: Accoun
     app.state.metrics = metrics
     install_error_handlers(app, lambda status: metrics.errors.labels(settings.served_model_name, str(status)).inc())
     tenancy.install(app, lambda status: metrics.errors.labels(settings.served_model_name, str(status)).inc())
-    if isinstance(engine, Fleet):  # /admin/replicas and per-replica /metrics (fleet_routes.py)
+    if isinstance(engine, Fleet):  # /fleet/replicas and per-replica /metrics (fleet_routes.py)
         install_fleet_routes(app, engine, metrics.registry, tenancy)
     app.state.dashboard = dashboard.install(app, engine, metrics, accounting, tenancy)  # /dashboard (dashboard.py)
 

@@ -327,8 +327,7 @@ def start_fleet(args: argparse.Namespace) -> Started:
     if energies:
         accounting.meter = FleetMeter(accounting.meter, energies)
     fleet = Fleet(name, replicas + backends, make_router(args.router, args.sticky_sessions))
-    meter = accounting.meter
-    fleet.step_listeners.append(lambda replica_id, step: meter.on_step(step))
+    fleet.step_listeners.append(accounting.meter.on_step)
     fleet.start()
     banner = [f"  model   {model_path}", f"  fleet   {len(fleet.replicas)} replicas, router {fleet.router.name}"]
     for r in fleet.replicas.values():

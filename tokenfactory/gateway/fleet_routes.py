@@ -1,4 +1,4 @@
-"""The fleet's routes and metrics: `/admin/replicas` (list, drain, undrain) and per-replica series in /metrics.
+"""The fleet's routes and metrics: `/fleet/replicas` (list, drain, undrain) and per-replica series in /metrics.
 
 Replica management is an operator's: with `--auth` it needs an admin key, without it a loopback client.
 Per replica, /metrics carries `tokenfactory:replica_up`, its running and waiting requests, KV usage, the
@@ -84,24 +84,24 @@ def install_fleet_routes(app: FastAPI, fleet: Fleet, registry: CollectorRegistry
 
     def replica(replica_id: str) -> None:
         if replica_id not in fleet.replicas:
-            raise APIError(404, f"no replica {replica_id!r}; see GET /admin/replicas", "not_found_error",
+            raise APIError(404, f"no replica {replica_id!r}; see GET /fleet/replicas", "not_found_error",
                            "replica_id")
 
-    @app.get("/admin/replicas")
+    @app.get("/fleet/replicas")
     async def list_replicas(request: Request) -> dict:
         check_operator(request)
         decisions = [dataclasses.asdict(d) for d in fleet.decisions[-20:]]
         return {"object": "list", "model": fleet.model, "router": fleet.router.name,
                 "data": [status_json(s) for s in fleet.status()], "recent_decisions": decisions}
 
-    @app.post("/admin/replicas/{replica_id}/drain")
+    @app.post("/fleet/replicas/{replica_id}/drain")
     async def drain(replica_id: str, request: Request) -> dict:
         check_operator(request)
         replica(replica_id)
         fleet.drain(replica_id)
         return status_json(next(s for s in fleet.status() if s.replica_id == replica_id))
 
-    @app.post("/admin/replicas/{replica_id}/undrain")
+    @app.post("/fleet/replicas/{replica_id}/undrain")
     async def undrain(replica_id: str, request: Request) -> dict:
         check_operator(request)
         replica(replica_id)
