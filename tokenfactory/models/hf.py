@@ -74,10 +74,7 @@ def hf_model_config(folder: Path, config_json: Mapping[str, object], tokenizer: 
 
     hidden, num_heads = required("hidden_size"), required("num_attention_heads")
     rope_theta, rope_scaling = _rope(config_json)
-    if arch == "qwen2":  # Qwen2's window is off unless use_sliding_window says otherwise
-        window = config_json.get("sliding_window") if config_json.get("use_sliding_window") else None
-    else:
-        window = config_json.get("sliding_window") if arch == "mistral" else None
+    window, layer_windows = _sliding_windows(arch, config_json, required("num_hidden_layers"))
     return ModelConfig(
         architecture=arch,
         vocab_size=required("vocab_size"),
@@ -93,11 +90,31 @@ def hf_model_config(folder: Path, config_json: Mapping[str, object], tokenizer: 
         tie_word_embeddings=bool(config_json.get("tie_word_embeddings", False)),
         attention_bias=arch == "qwen2" or bool(config_json.get("attention_bias", False)),
         sliding_window=window,
+        layer_windows=layer_windows,
         rope_scaling=rope_scaling,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_ids=tokenizer.eos_token_ids,
         name=str(config_json.get("_name_or_path") or folder.name),
     )
+
+
+def _sliding_windows(arch: str, config_json: Mapping[str, object],
+                     num_layers: int) -> tuple[int | None, tuple[int | None, ...] | None]:
+    """(sliding_window, layer_windows) as transformers reads them: Mistral's window applies to every layer;
+    Qwen2's only with use_sliding_window, and then only to layers from max_window_layers on (the first ones
+    stay global), or as its `layer_types` list (transformers 5 writes it) says."""
+    window = config_json.get("sliding_window")
+    if arch == "qwen2" and not config_json.get("use_sliding_window"):
+        return None, None
+    if arch not in ("qwen2", "mistral") or not isinstance(window, int):
+        return None, None
+    if arch == "mistral":  # transformers' Mistral ignores layer_types (Ministral reads them)
+        return window, None
+    types = config_json.get("layer_types")
+    if isinstance(types, list) and len(types) == num_layers:
+        return window, tuple(window if t == "sliding_attention" else None for t in types)
+    first = int(config_json.get("max_window_layers", num_layers))  # type: ignore[arg-type]
+    return window, tuple(window if i >= first else None for i in range(num_layers))
 
 
 def _architecture(source: Path, config_json: Mapping[str, object]) -> str:
