@@ -184,3 +184,15 @@ def test_a_fleet_is_viewed_per_replica_from_its_status():
     single = SimpleNamespace(stats=lambda: stats(num_running=1))
     [local] = replicas_of(single, {"weight_bytes": 1})
     assert local.name == "local" and local.facts == {"weight_bytes": 1}
+
+
+def test_busy_share_is_taken_over_the_window_and_capped():
+    """A 4 s step that ends inside a 1 s interval counts all its time there: the share over the 10 s
+    window is 0.4, and a single interval's is capped at 1."""
+    local = (Replica("local", stats(), {}),)
+    start = Sample(0.0, 0.0, local, totals(0.0, 0.0, 0.0), (), ())
+    prev = Sample(9.0, 9.0, local, totals(0.0, 0.0, 9.0), (), ())
+    cur = Sample(10.0, 10.0, local, totals(0.0, 4.0, 6.0), (), ())
+    p = make_point(prev, cur, start, load_prices())
+    assert p["busy"] == pytest.approx(0.4) and p["idle"] == pytest.approx(0.6)
+    assert make_point(prev, cur, prev, load_prices())["busy"] == 1.0

@@ -10,7 +10,8 @@ interval):
     joules_per_token            Δ energy / Δ generated tokens (idle included: what a token cost)  [J/token]
     usd_per_mtok                (usd_per_hour / 3600 · devices + watts · psu · pue / 3.6e6 · usd_per_kwh)
                                 / tokens_out_s · 1e6: the machine's running cost per million tokens out
-    busy, idle                  Δ busy and idle device-seconds / (Δt · devices)                  [0..1]
+    busy, idle                  Δ busy device-seconds / (Δt · devices) over the latency window, capped
+                                at 1 (a step's time lands when it ends); idle = 1 − busy             [0..1]
     ttft/tpot p50, p99          histogram_quantile over the last `latency_window` samples' bucket deltas
                                 (Prometheus' linear interpolation inside a bucket)                [s]
 
@@ -132,14 +133,22 @@ def meter_point(prev: MeterTotals, cur: MeterTotals, dt: float, tokens_out: floa
     usd_per_s = prices.device.usd_per_hour / 3600.0 * num_devices + (
         prices.energy_cost_usd(watts) if watts is not None else 0.0)
     tokens_out_s = _rate(tokens_out, dt)
-    span = dt * num_devices
     return {
         "watts": watts, "energy_source": cur.source if measured else None,
         "joules_per_token": _ratio(cur_j - prev_j, tokens_out) if measured else None,
         "usd_per_mtok": usd_per_s / tokens_out_s * 1e6 if tokens_out_s > 0 else None,
-        "busy": _ratio(cur.busy_device_seconds - prev.busy_device_seconds, span),
-        "idle": _ratio(max(cur.idle_device_seconds - prev.idle_device_seconds, 0.0), span),
+        **busy_idle(prev, cur, dt * num_devices),
     }
+
+
+def busy_idle(before: MeterTotals, after: MeterTotals, device_seconds: float) -> dict[str, float | None]:
+    """Shares of `device_seconds` spent in steps and idle. A step's time is counted when it ends, so a step
+    longer than the span would exceed it: the busy share is capped at 1 and idle is the rest."""
+    busy = _ratio(after.busy_device_seconds - before.busy_device_seconds, device_seconds)
+    if busy is None:
+        return {"busy": None, "idle": None}
+    busy = min(max(busy, 0.0), 1.0)
+    return {"busy": busy, "idle": 1.0 - busy}
 
 
 def make_point(prev: Sample, cur: Sample, window_start: Sample, prices: Prices | None,
@@ -163,6 +172,8 @@ def make_point(prev: Sample, cur: Sample, window_start: Sample, prices: Prices |
     point["spec_acceptance"] = sum(accepts) / len(accepts) if accepts else None
     if cur.meter is not None and prev.meter is not None and prices is not None:
         point |= meter_point(prev.meter, cur.meter, dt, point["tokens_out_s"] * dt, prices, num_devices)
+        if window_start.meter is not None:  # a step's device time lands when it ends: shares over the window
+            point |= busy_idle(window_start.meter, cur.meter, (cur.monotonic - window_start.monotonic) * num_devices)
     for name, attr in (("ttft", "ttft_buckets"), ("tpot", "tpot_buckets")):
         for q in (50, 99):
             point[f"{name}_p{q}"] = quantile(q / 100, getattr(window_start, attr), getattr(cur, attr))
