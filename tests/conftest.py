@@ -17,3 +17,14 @@ def hf_reference(bundled: LoadedModel):
     from tests.reference import hf_model_from_loaded
 
     return hf_model_from_loaded(bundled)
+
+
+@pytest.fixture(scope="session")
+def ray_address() -> str:
+    """One real local Ray for the whole test session (the fleet's Ray replicas), shut down at its end."""
+    import ray
+
+    info = ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, object_store_memory=256 << 20,
+                    configure_logging=False)
+    yield info.address_info["address"]
+    ray.shutdown()

@@ -1,0 +1,175 @@
+"""The engine client's contract, run against every implementation: in process (AsyncEngine), a local process
+and a Ray actor (RemoteEngine over a pipe, over Ray), on a tiny random-weight model: the same greedy tokens as
+the engine itself, aborts that free the blocks, a request failed alone, the steps' statistics for the meter,
+and a shutdown or a killed worker that ends open streams instead of hanging them."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from tests.reference import tiny_random_model_dir
+from tokenfactory.config import EngineConfig
+from tokenfactory.engine.async_engine import AsyncEngine
+from tokenfactory.engine.client import AddRequest, EngineDeadError, RequestError
+from tokenfactory.engine.engine import LLMEngine
+from tokenfactory.fleet.process import start_process_replica
+from tokenfactory.types import SamplingParams, StepStats
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[5, 17, 99, 1000, 42], [7] * 20, list(range(300, 340))]
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory) -> EngineConfig:
+    folder = tiny_random_model_dir(tmp_path_factory.mktemp("tiny"), "llama", attention_bias=None, num_heads=4,
+                                   num_kv_heads=2)
+    return EngineConfig(model=str(folder), dtype="float32", block_size=8, kv_cache_memory=4 << 20,
+                        max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def expected(config) -> list[list[int]]:
+    engine = LLMEngine(config)
+    ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    outs = engine.run_to_completion(ids)
+    return [outs[i].outputs[0].token_ids for i in ids]
+
+
+@pytest.fixture(scope="module", params=["async", "process", "ray"])
+def client(request, config):
+    steps: list[StepStats] = []
+    if request.param == "async":
+        c = AsyncEngine.launch(lambda: LLMEngine(config, step_listeners=[steps.append]))
+    else:
+        c = start_remote(request.param, config, request)
+        c.step_listeners.append(steps.append)
+    c.start()
+    c.kind, c.steps = request.param, steps
+    yield c
+    c.shutdown()
+
+
+def start_remote(kind: str, config: EngineConfig, request: pytest.FixtureRequest, hang_timeout_s: float = 3.0):
+    if kind == "process":
+        return start_process_replica("p0", config, threads=1, hang_timeout_s=hang_timeout_s)
+    request.getfixturevalue("ray_address")  # the session's local Ray
+    from tokenfactory.fleet.ray_replica import start_ray_replica
+
+    return start_ray_replica("ray0", config, threads=1, hang_timeout_s=hang_timeout_s)
+
+
+def add(rid: str, prompt: list[int], params: SamplingParams = GREEDY) -> AddRequest:
+    return AddRequest(rid, prompt, None, params, time.monotonic(), "t", 1)
+
+
+async def final(client, request: AddRequest):
+    last = None
+    async for out in client.generate(request):
+        last = out
+    return last
+
+
+def wait_idle(client, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        s = client.stats()
+        if s.num_running == 0 and s.num_waiting == 0 and s.num_free_kv_blocks == s.num_kv_blocks:
+            return s
+        assert time.monotonic() < deadline, s
+        time.sleep(0.02)
+
+
+def test_greedy_tokens_equal_the_engines(client, expected) -> None:
+    async def main() -> list:
+        return await asyncio.gather(*[final(client, add(f"g{i}", p)) for i, p in enumerate(PROMPTS)])
+    outs = asyncio.run(main())
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert all(o.finished and o.metrics is not None for o in outs)
+    s = wait_idle(client)
+    assert s.num_generation_tokens_total >= 30 and s.alive
+    # The meter's input: every step, with its work, reached the listeners.
+    deadline = time.monotonic() + 5
+    while sum(w.num_new_tokens for st in client.steps for w in st.work) < sum(map(len, PROMPTS)) + 27:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def test_leaving_early_aborts_and_frees_the_blocks(client) -> None:
+    async def main() -> None:
+        gen = client.generate(add("a", PROMPTS[2], SamplingParams(max_tokens=200, ignore_eos=True)))
+        await anext(gen)
+        await gen.aclose()
+    asyncio.run(main())
+    wait_idle(client)
+
+
+def test_a_request_the_engine_refuses_fails_alone(client, expected) -> None:
+    async def main() -> None:
+        with pytest.raises(RequestError):
+            await final(client, add("bad", [10**9]))  # not in the vocabulary: only ModelInfo would catch it
+        ok = await final(client, add("ok", PROMPTS[0]))
+        assert ok.outputs[0].token_ids == expected[0]
+    asyncio.run(main())
+    assert client.is_alive
+
+
+@pytest.mark.parametrize("kind", ["process", "ray"])
+def test_a_killed_worker_ends_its_streams_with_a_named_error(kind, config, request) -> None:
+    c = start_remote(kind, config, request)
+    c.start()
+
+    async def main() -> None:
+        gen = c.generate(add("k", PROMPTS[1], SamplingParams(max_tokens=10_000, ignore_eos=True)))
+        await anext(gen)
+        os.kill(c.facts["pid"], signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match=r"replica \w+ (died|is gone)"):
+            async for _ in gen:
+                pass
+        with pytest.raises(EngineDeadError):
+            await final(c, add("after", PROMPTS[0]))
+    try:
+        asyncio.run(asyncio.wait_for(main(), 30))
+        assert not c.is_alive and "replica" in c.dead_reason
+    finally:
+        c.shutdown(2)
+
+
+def test_shutdown_ends_open_streams(client) -> None:
+    async def main() -> None:
+        gen = client.generate(add("s", PROMPTS[1], SamplingParams(max_tokens=10_000, ignore_eos=True)))
+        await anext(gen)
+        await asyncio.to_thread(client.shutdown, 10)
+        with pytest.raises(EngineDeadError):
+            async for _ in gen:
+                pass
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_a_hung_process_is_found_within_the_timeout(config) -> None:
+    c = start_process_replica("hang", config, threads=1, hang_timeout_s=1.5)
+    c.start()
+    try:
+        async def main() -> float:
+            gen = c.generate(add("h", PROMPTS[1], SamplingParams(max_tokens=10_000, ignore_eos=True)))
+            await anext(gen)
+            os.kill(c.facts["pid"], signal.SIGSTOP)
+            t0 = time.monotonic()
+            with pytest.raises(EngineDeadError, match="hung"):
+                async for _ in gen:
+                    pass
+            return time.monotonic() - t0
+        waited = asyncio.run(asyncio.wait_for(main(), 30))
+        assert 1.0 < waited < 5.0
+    finally:
+        try:
+            os.kill(c.facts["pid"], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        c.shutdown(2)
