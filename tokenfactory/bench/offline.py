@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tokenfactory.progress import track
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: the bundled model)")
@@ -128,7 +130,7 @@ def run_hf(args: argparse.Namespace, workload: list[tuple[list[int], int]], dtyp
         _hf_generate(model, [workload[0][0][:16]], 4, pad)  # warm-up
         t = time.perf_counter()
         out_tokens = 0
-        for i in range(0, len(workload), args.hf_batch_size):
+        for i in track(range(0, len(workload), args.hf_batch_size), "HF baseline"):
             batch = workload[i:i + args.hf_batch_size]
             _hf_generate(model, [p for p, _ in batch], max(n for _, n in batch), pad)
             out_tokens += sum(n for _, n in batch)

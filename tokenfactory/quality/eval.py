@@ -26,6 +26,7 @@ from tokenfactory.config import EngineConfig
 from tokenfactory.engine.engine import LLMEngine
 from tokenfactory.layers.quant import QuantOptions, QuantSummary
 from tokenfactory.models.loader import LoadedModel
+from tokenfactory.progress import track
 from tokenfactory.types import ParameterError, SamplingParams
 
 DEFAULT_WINDOW = 512  # tokens per perplexity window
@@ -101,7 +102,7 @@ def perplexity(engine: LLMEngine, token_ids: list[list[int]], window: int = DEFA
     Each window is one `LLMEngine.score` call: the log-probability of each of its tokens after the first
     given those before it, computed through the engine's normal step (a throwaway request)."""
     total_nll, num_scored = 0.0, 0
-    for ids in token_ids:
+    for ids in track(token_ids, "perplexity", total=len(token_ids)):
         for start in range(0, len(ids) - 1, window):
             chunk = ids[start:start + window]
             if len(chunk) < 2:
