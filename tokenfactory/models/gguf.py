@@ -38,6 +38,7 @@ from tokenfactory.config import ModelConfig
 from tokenfactory.layers.quant_formats import RawGGUFTensors
 from tokenfactory.models.loader import LoadedModel, check_weight_shapes, expected_weight_shapes
 from tokenfactory.models.tokenizer import Tokenizer, template_processing
+from tokenfactory.progress import track
 
 logger = logging.getLogger(__name__)
 
@@ -369,7 +370,7 @@ def gguf_weights(gguf_file: GGUFFile, hf_to_gguf: Mapping[str, str], config: Mod
     Quantization blocks run along a row, so un-permuting Q/K rows before dequantizing is exact."""
     weights: dict[str, torch.Tensor] = {}
     raw: RawGGUFTensors = {}
-    for hf_name, gguf_name in hf_to_gguf.items():
+    for hf_name, gguf_name in track(hf_to_gguf.items(), "loading weights", total=len(hf_to_gguf)):
         info = gguf_file.tensors[gguf_name]
         heads = _permuted_heads(hf_name, config) if arch.rope_permuted else None
         order = None if heads is None else unpermute_rows(info.shape[0], heads)

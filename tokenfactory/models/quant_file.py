@@ -41,6 +41,7 @@ from tokenfactory.layers.quant_formats import (
 )
 from tokenfactory.models.loader import LoadedModel, check_weight_shapes
 from tokenfactory.models.tokenizer import Tokenizer
+from tokenfactory.progress import track
 
 FILE_FORMAT = "tokenfactory.quantized.v1"
 FORMAT_KEY = "tokenfactory.format"
@@ -78,7 +79,8 @@ def plan_file(loaded: LoadedModel, scheme_name: str) -> tuple[dict[str, Quantize
     quantized = {n: w for n, w in exact.items() if n in loaded.weights or n == "lm_head.weight"}
     if scheme.quantize is not None:
         tied = loaded.config.tie_word_embeddings
-        for name in linear_tensor_names(loaded.config):
+        names = linear_tensor_names(loaded.config)
+        for name in track(names, f"quantizing to {scheme.name}", total=len(names)):
             source = "model.embed_tokens.weight" if tied and name == "lm_head.weight" else name
             w = exact[source].dequantize() if source in exact else loaded.weights[source]
             quantized[name] = scheme.quantize(w.float(), name)
