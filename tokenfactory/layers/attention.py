@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenfactory.layers.cpu_kernels import paged_decode_kernel, paged_decode_kernel_int8
-from tokenfactory.layers.kv_quant import gather_kv, write_kv
+from tokenfactory.layers.kv_quant import dequantize_kv, gather_kv, quantize_kv, write_kv
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     write_kv(v_cache, v_scale, v, meta.slot_mapping)
     if not meta.prefills:
         return _decode_attention(q, k_cache, v_cache, meta, scale, scales, window)
+    if k_scale is not None:
+        # A span with no cached context attends to its own fresh keys; give it the rounded ones the cache holds,
+        # so that a prompt's tokens see what its decodes will see (and perplexity measures the cache's cost).
+        k, v = _rounded(k, k_cache.dtype), _rounded(v, v_cache.dtype)
     out = torch.empty_like(q)
     num_decode = meta.num_decode_tokens
     if num_decode:
@@ -144,6 +148,11 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
         values.unsqueeze(0),
         attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)  # (n, nh, d)
+
+
+def _rounded(x: torch.Tensor, storage: torch.dtype) -> torch.Tensor:
+    """x (T, nkv, d) as a quantized cache stores it, back in x's dtype."""
+    return dequantize_kv(*quantize_kv(x, storage), x.dtype)
 
 
 def _visible(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:

@@ -36,6 +36,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("--model", default=None, help="GGUF file, HF folder or quantized file (default: bundled model)")
     e.add_argument("--quantization", default="auto", help=SCHEME_HELP)
     e.add_argument("--dtype", default="auto")
+    e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
+                   help="KV cache storage; int8/fp8 without a baseline are compared with the model's dtype")
     which = e.add_mutually_exclusive_group()
     which.add_argument("--baseline", default=None, metavar="NAME", help="compare with this saved baseline")
     which.add_argument("--save", default=None, metavar="NAME", help="save this run as a baseline")
@@ -105,13 +107,18 @@ def eval_main(args: argparse.Namespace) -> int:
         (read_texts(Path(args.text)), str(args.text))
     prompts = bundled_prompts() if args.prompts is None else read_prompts(Path(args.prompts))
     loaded = load_model(args.model)
-    run = lambda scheme: ev.evaluate(loaded, scheme, texts, source, prompts, max_tokens=max_tokens,  # noqa: E731
-                                     window=window, dtype=args.dtype, options=options)
+    def run(scheme: str, kv_cache_dtype: str = args.kv_cache_dtype) -> EvalResult:
+        return ev.evaluate(loaded, scheme, texts, source, prompts, max_tokens=max_tokens, window=window,
+                           dtype=args.dtype, options=options, kv_cache_dtype=kv_cache_dtype)
+
     result = run(args.quantization)
     if args.save:
         path = ev.save_baseline(result, directory, args.save)
         _print(args, result, None, f"saved as baseline {args.save!r} ({path})")
         return 0
+    if baseline is None and args.kv_cache_dtype != "auto":  # the KV cache's cost alone: same weights
+        baseline = run(args.quantization, "auto")
+        args.baseline = f"{args.quantization} weights, KV cache in the model's dtype"
     if baseline is None:
         if args.quantization == "none":
             _print(args, result, None, "no baseline: pass --baseline NAME, or --save NAME to keep this run")

@@ -9,7 +9,10 @@
                  (prefill takes the dense one): both paths are exercised.
 
 A baseline is an EvalResult saved as JSON under a name; comparing needs the same text, prompts and
-max_tokens (checked). Without a saved baseline the reference is the same model with quantization "none".
+max_tokens (checked). Without a saved baseline the reference is the same model with quantization "none", or,
+for an 8-bit KV cache (`kv_cache_dtype` int8/fp8), the same weights with the KV cache in the model's dtype.
+With a quantized KV cache, every attention reads the rounded keys and values (prefill's too, see
+layers/attention.py), so perplexity measures what the cache costs.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ class EvalResult:
     decode_weight_bytes: int
     elapsed_s: float
     layers: dict[str, str] = field(default_factory=dict)  # module path -> format and kernel
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -85,13 +89,14 @@ class Comparison:
 
 
 def load_engine(loaded: LoadedModel, quantization: str, *, dtype: str = "auto", max_model_len: int = 1024,
-                max_num_seqs: int = GREEDY_MAX_NUM_SEQS, options: QuantOptions | None = None
-                ) -> tuple[LLMEngine, QuantSummary]:
+                max_num_seqs: int = GREEDY_MAX_NUM_SEQS, options: QuantOptions | None = None,
+                kv_cache_dtype: str = "auto") -> tuple[LLMEngine, QuantSummary]:
     """An engine over `loaded` built with the scheme (so its config describes its model), using every source
     of quantized weights the loader found (GGUF blocks, a `tokenfactory quantize` file), and what it did."""
     options = options or QuantOptions()
     config = EngineConfig(model=str(loaded.path), dtype=dtype, max_model_len=max_model_len,
-                          max_num_seqs=max_num_seqs, quantization=quantization, quantization_dense=options.dense)
+                          max_num_seqs=max_num_seqs, quantization=quantization, quantization_dense=options.dense,
+                          kv_cache_dtype=kv_cache_dtype)
     engine = LLMEngine(config, loaded)
     return engine, engine.quant_summary
 
@@ -129,10 +134,10 @@ def greedy_tokens(engine: LLMEngine, prompts: list[str], max_tokens: int) -> lis
 
 def evaluate(loaded: LoadedModel, quantization: str, texts: list[str], text_source: str, prompts: list[str], *,
              max_tokens: int = DEFAULT_MAX_TOKENS, window: int = DEFAULT_WINDOW, dtype: str = "auto",
-             options: QuantOptions | None = None) -> EvalResult:
+             options: QuantOptions | None = None, kv_cache_dtype: str = "auto") -> EvalResult:
     start = time.perf_counter()
     engine, summary = load_engine(loaded, quantization, dtype=dtype, max_model_len=max(window + 1, 1024),
-                                  options=options)
+                                  options=options, kv_cache_dtype=kv_cache_dtype)
     token_ids = [engine.tokenizer.encode(t) for t in texts]
     ppl, num_scored = perplexity(engine, token_ids, window)
     greedy = greedy_tokens(engine, prompts, max_tokens)
@@ -141,7 +146,8 @@ def evaluate(loaded: LoadedModel, quantization: str, texts: list[str], text_sour
                       text_source=text_source, text_sha256=digest, num_scored_tokens=num_scored, perplexity=ppl,
                       max_tokens=max_tokens, prompts=list(prompts), greedy_tokens=greedy,
                       decode_weight_bytes=engine.decode_weight_bytes,
-                      elapsed_s=time.perf_counter() - start, layers=summary.path_to_format)
+                      elapsed_s=time.perf_counter() - start, layers=summary.path_to_format,
+                      kv_cache_dtype=kv_cache_dtype)
 
 
 def compare(result: EvalResult, baseline: EvalResult, baseline_name: str, thresholds: Thresholds) -> Comparison:
