@@ -30,6 +30,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pydantic
@@ -58,6 +59,7 @@ class BatchSettings:
     max_lines_in_flight: int = 32  # lines in the engine at once, all jobs together
     retry_s: float = 0.5  # a line refused for a rate limit waits at least this long before trying again
     max_lines: int = 50_000  # per input file, as OpenAI's
+    prices_path: str | None = None  # the server's --prices override, whose [batch] table prices the summary
 
     def __post_init__(self) -> None:
         if self.max_lines_in_flight < 1:
@@ -307,8 +309,8 @@ class BatchRunner:
         self.cancelled.discard(batch_id)
 
 
-def batch_price_multiplier() -> tuple[float, str]:
+def batch_price_multiplier(prices_path: str | None = None) -> tuple[float, str]:
     """(multiplier on the interactive price, its source) from the prices file's [batch] table."""
-    table = load_price_table().get("batch", {})
+    table = load_price_table(Path(prices_path) if prices_path else None).get("batch", {})
     value = table.get("usd_multiplier", DEFAULT_BATCH_PRICE_MULTIPLIER)
     return float(value), str(table.get("source", "default: half the interactive price, as OpenAI's Batch API"))

@@ -59,8 +59,8 @@ def file_object(row: dict) -> dict:
             "status_details": None, "expires_at": None}
 
 
-def batch_object(job: dict, totals: JobTotals, model: str) -> dict:
-    multiplier, source = batch_price_multiplier()
+def batch_object(job: dict, totals: JobTotals, model: str, prices_path: str | None = None) -> dict:
+    multiplier, source = batch_price_multiplier(prices_path)
     errors = json.loads(job["errors_json"]) if job["errors_json"] else None
     return {
         "id": job["batch_id"], "object": "batch", "endpoint": job["endpoint"], "model": model,
@@ -208,4 +208,5 @@ class _Routes:
         job = await asyncio.to_thread(self.store.get_job, batch_id)
         assert job is not None
         totals = await asyncio.to_thread(self.store.totals, batch_id)
-        return batch_object(job, totals, self.handler.settings.served_model_name)
+        prices = self.runner.settings.prices_path if self.runner is not None else None
+        return batch_object(job, totals, self.handler.settings.served_model_name, prices)

@@ -111,13 +111,13 @@ async def _run_job(args: argparse.Namespace, engine, accounting, name: str, sour
     assert data_dir is not None
     store = BatchStore(accounting.ledger.engine, data_dir)
     batch_id = await asyncio.to_thread(_ensure_job, store, source, content, endpoint)
-    runner = BatchRunner(handler, store, BatchSettings(max_lines_in_flight=args.max_lines_in_flight),
-                         lambda _tenant: ANONYMOUS_PRINCIPAL)
+    runner = BatchRunner(handler, store, BatchSettings(max_lines_in_flight=args.max_lines_in_flight,
+                                                       prices_path=args.prices), lambda _tenant: ANONYMOUS_PRINCIPAL)
     if store.get_job(batch_id)["status"] in ("validating", "in_progress", "finalizing", "cancelling"):
         runner.submit(batch_id)
         await _progress(runner, store, batch_id, quiet=args.no_progress)
     await handler.drain()
-    return await asyncio.to_thread(_write_files, store, batch_id, Path(args.out), args.errors)
+    return await asyncio.to_thread(_write_files, store, batch_id, Path(args.out), args.errors, args.prices)
 
 
 def _ensure_job(store, source: Path, content: bytes, endpoint: str) -> str:  # noqa: ANN001 - BatchStore
@@ -149,7 +149,8 @@ async def _progress(runner, store, batch_id: str, quiet: bool) -> None:  # noqa:
     task.result()
 
 
-def _write_files(store, batch_id: str, out: Path, errors: str | None) -> str:  # noqa: ANN001
+def _write_files(store, batch_id: str, out: Path, errors: str | None,  # noqa: ANN001 - BatchStore
+                 prices_path: str | None) -> str:
     """OUT and the error file from the store; returns the summary line."""
     from tokenfactory.gateway.batch import batch_price_multiplier
 
@@ -159,7 +160,7 @@ def _write_files(store, batch_id: str, out: Path, errors: str | None) -> str:  #
     error_path = Path(errors) if errors else out.with_suffix(".errors.jsonl")
     if failed:
         error_path.write_text("".join(json.dumps(line) + "\n" for line in failed))
-    multiplier, _ = batch_price_multiplier()
+    multiplier, _ = batch_price_multiplier(prices_path)
     energy = f"{t.energy_joules:.1f} J ({'+'.join(t.energy_sources)})" if t.energy_joules is not None else "energy n/a"
     cost = (f"{t.cost_usd:.6f} USD interactive, {t.cost_usd * multiplier:.6f} USD at the batch price"
             if t.cost_usd is not None else "cost n/a")

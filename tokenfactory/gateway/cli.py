@@ -374,7 +374,8 @@ def serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(served_model_name=name, max_waiting=args.max_waiting,
                               max_body_bytes=int(args.max_body_bytes),
                               stream_send_timeout_s=args.stream_send_timeout,
-                              batch=BatchSettings(max_lines_in_flight=args.batch_lines_in_flight))
+                              batch=BatchSettings(max_lines_in_flight=args.batch_lines_in_flight,
+                                                  prices_path=args.prices))
     tenancy, auth_line = build_tenancy(args, client, accounting)
     app = build_app(client, settings, accounting, on_shutdown=shutdown, tenancy=tenancy)
     print("\n".join([f"tokenfactory serving {name}", *started.banner,
