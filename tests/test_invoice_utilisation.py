@@ -106,3 +106,22 @@ def test_unmeasured_energy_stays_null_in_the_rollup(tmp_path):
         assert "energy not measured" in u.describe()
     finally:
         ledger.close()
+
+
+def test_a_database_that_refuses_does_not_stop_the_server_starting(metered, tmp_path, caplog):
+    """The rollup is bookkeeping: if its table cannot be made (database gone), the recorder starts anyway,
+    says so, and each flush tries again; the counters wait for it."""
+    import sqlalchemy as sa
+
+    clock, meter, _ = metered
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 'missing-dir' / 'ledger.db'}")
+    recorder = UtilisationRecorder(meter, engine, interval_s=None)
+    assert "not created yet" in caplog.text
+    run_step(clock, meter, 1.0, prefill=5, decode=0)
+    with pytest.raises(sa.exc.OperationalError):
+        recorder.flush()
+    recorder.close()  # logged, not raised
+    (tmp_path / "missing-dir").mkdir()
+    assert recorder.flush().busy_device_seconds == pytest.approx(1.0)  # nothing lost while it refused
+    [u] = device_usage(engine)
+    assert u.num_prefill_tokens == 5

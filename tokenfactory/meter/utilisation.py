@@ -203,7 +203,11 @@ class UtilisationRecorder:
         self._last = from_totals(meter.totals())
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        create_table(engine)
+        self._table_ready = False
+        try:
+            self._ensure_table()
+        except sa.exc.SQLAlchemyError as e:  # the database refuses now: serving starts anyway, flush retries
+            logger.warning("utilisation rollup table not created yet (retried at each flush): %s", e)
 
     def start(self) -> UtilisationRecorder:
         if self._interval_s is not None and self._thread is None:
@@ -214,6 +218,7 @@ class UtilisationRecorder:
     def flush(self) -> DeviceUsage:
         """Record what the meter counted since the last flush; returns it."""
         with self._lock:
+            self._ensure_table()
             now = from_totals(self._meter.totals())
             change = delta(self._last, now)
             with self._engine.begin() as conn:
@@ -227,6 +232,11 @@ class UtilisationRecorder:
             self._thread.join(timeout=5)
             self._thread = None
         self._flush_logged()
+
+    def _ensure_table(self) -> None:
+        if not self._table_ready:
+            create_table(self._engine)
+            self._table_ready = True
 
     def _loop(self) -> None:
         while not self._stop.wait(self._interval_s):
