@@ -60,6 +60,7 @@ class BatchSettings:
     retry_s: float = 0.5  # a line refused for a rate limit waits at least this long before trying again
     max_lines: int = 50_000  # per input file, as OpenAI's
     prices_path: str | None = None  # the server's --prices override, whose [batch] table prices the summary
+    stop_grace_s: float = 10.0  # at shutdown, lines in flight get this long to finish before they are aborted
 
     def __post_init__(self) -> None:
         if self.max_lines_in_flight < 1:
@@ -167,6 +168,7 @@ class BatchRunner:
         self.handler, self.store, self.settings, self.principal_of = handler, store, settings, principal_of
         self.tasks: dict[str, asyncio.Task] = {}
         self.cancelled: set[str] = set()
+        self.stopping = False  # shutdown: no line starts; those in flight may finish (stop_grace_s)
         self._slots: asyncio.Semaphore | None = None
 
     @property
@@ -191,8 +193,13 @@ class BatchRunner:
         self.cancelled.add(batch_id)
 
     async def stop(self) -> None:
-        """Shutdown: stop the jobs (their unfinished lines run again at the next start)."""
+        """Shutdown: no new line starts, the lines in flight get `stop_grace_s` to finish (an aborted one
+        keeps an aborted ledger row, and its rerun at the next start is not billed again), then the jobs
+        stop; their unfinished lines run at the next start."""
+        self.stopping = True
         tasks = list(self.tasks.values())
+        if tasks:
+            await asyncio.wait(tasks, timeout=self.settings.stop_grace_s)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -209,9 +216,13 @@ class BatchRunner:
             if job["status"] == "validating":
                 await self.validate(job)
             outcome = await self.run_lines(job)
-            await self.finalize(job, outcome)
+            if outcome != "stopped":  # a shutdown leaves the job in_progress for the next start
+                await self.finalize(job, outcome)
         except asyncio.CancelledError:
             raise
+        except ParameterError as e:  # the input file itself cannot run
+            await asyncio.to_thread(self.store.set_status, batch_id, "failed", errors_json=json.dumps(
+                [{"code": "invalid_file", "message": str(e), "param": e.param, "line": None}]))
         except Exception as e:  # noqa: BLE001 - the job fails, the server goes on
             logger.exception("batch %s failed", batch_id)
             await asyncio.to_thread(self.store.set_status, batch_id, "failed", errors_json=json.dumps(
@@ -224,6 +235,9 @@ class BatchRunner:
         for number, text in enumerate(content.decode("utf-8", errors="replace").splitlines(), start=1):
             if not text.strip():
                 continue
+            if len(pending) + len(rejected) >= self.settings.max_lines:
+                raise ParameterError("input_file_id", f"the input file has more than {self.settings.max_lines} "
+                                     "lines: split it into several batches")
             parsed = parse_line(number, text, job["endpoint"])
             (pending if isinstance(parsed, PendingLine) else rejected).append(parsed)
         seen: set[str] = set()
@@ -238,7 +252,7 @@ class BatchRunner:
         await asyncio.to_thread(self.store.start_lines, job["batch_id"], pending, rejected)
 
     async def run_lines(self, job: dict) -> str:
-        """Run the pending lines; returns why it stopped: done, cancelled, budget or expired."""
+        """Run the pending lines; returns why it stopped: done, cancelled, budget, expired or stopped."""
         batch_id = job["batch_id"]
         principal = await asyncio.to_thread(self.principal_of, job["tenant"])  # a store lookup with auth on
         pending = await asyncio.to_thread(self.store.pending_lines, batch_id)
@@ -254,12 +268,14 @@ class BatchRunner:
 
         async def one(line: PendingLine) -> None:
             async with self.slots:
-                if cancelled():
+                if self.stopping or cancelled():
                     return
                 await self.run_line(batch_id, kind, line, principal, cancelled, stop)
 
         await asyncio.gather(*(one(line) for line in pending))
-        return stop[0] if stop else "done"
+        if stop:
+            return stop[0]
+        return "stopped" if self.stopping else "done"
 
     async def run_line(self, batch_id: str, kind: str, line: PendingLine, principal: Principal | None,
                        cancelled: Callable[[], bool], stop: list[str]) -> None:
