@@ -279,3 +279,9 @@ def test_one_endpoint_over_a_fleet_with_the_official_client(tmp_path) -> None:
         fakes[1].wait_idle()
     finally:
         gw.stop()
+
+
+def test_least_work_ties_go_round() -> None:
+    policy, views = LeastWork(), [view("b"), view("a"), view("c")]
+    assert [policy.choose(req([1]), views).replica_id for _ in range(4)] == ["a", "b", "c", "a"]
+    assert policy.choose(req([1]), [view("a", tokens=5), view("b")]).replica_id == "b"

@@ -99,6 +99,8 @@ class ReplicaStatus:
     num_failed_mid_stream: int
     num_restarts: int
     down_reason: str | None
+    pid: int | None = None  # a local process's or Ray actor's
+    url: str | None = None  # an external backend's
 
 
 class NoReplicaError(EngineDeadError):
@@ -271,7 +273,8 @@ class Fleet:
         return [ReplicaStatus(r.replica_id, r.kind, self.model, r.device, r.power_source, r.state,
                               r.client.is_alive, r.client.stats(), len(r.request_id_to_tokens),
                               sum(r.request_id_to_tokens.values()), r.num_routed, r.num_rerouted_away,
-                              r.num_failed_mid_stream, r.num_restarts, r.down_reason or r.client.dead_reason)
+                              r.num_failed_mid_stream, r.num_restarts, r.down_reason or r.client.dead_reason,
+                              getattr(r.client, "facts", {}).get("pid"), getattr(r.client, "url", None))
                 for r in self.replicas.values()]
 
     def _attach(self, replica: Replica) -> None:

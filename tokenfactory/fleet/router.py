@@ -122,11 +122,21 @@ def overloaded(view: ReplicaView, replicas: Sequence[ReplicaView], ratio: float 
 
 
 class LeastWork:
+    """Ties (an idle fleet) go round the tied replicas in turn, so sequential traffic spreads too."""
+
     name = "least-work"
+
+    def __init__(self) -> None:
+        self.num_ties = 0
 
     def choose(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> RouteDecision:
         scores = {r.replica_id: float(r.outstanding_tokens) for r in replicas}
-        best = min(replicas, key=lambda r: (r.outstanding_tokens, r.num_outstanding, r.replica_id))
+        least = min((r.outstanding_tokens, r.num_outstanding) for r in replicas)
+        tied = sorted((r for r in replicas if (r.outstanding_tokens, r.num_outstanding) == least),
+                      key=lambda r: r.replica_id)
+        best = tied[self.num_ties % len(tied)]
+        if len(tied) > 1:
+            self.num_ties += 1
         return RouteDecision(best.replica_id, self.name,
                              f"fewest outstanding tokens ({best.outstanding_tokens})", scores)
 

@@ -16,7 +16,7 @@ from typing import Any, TextIO
 from tokenfactory.types import ParameterError
 
 FORMATS = ("table", "csv", "json")
-GROUP_BYS = ("day", "tenant", "model")
+GROUP_BYS = ("day", "tenant", "model", "replica")
 _RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)\s*([mhdw])$")
 _UNIT_TO_SECONDS = {"m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
@@ -32,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--since", default=None,
                    help="only requests since then: an ISO date or time (UTC unless it has an offset), "
                         "or a span back from now such as 30m, 24h, 7d, 2w")
-    p.add_argument("--group-by", choices=GROUP_BYS, default=None, help="one row per day, tenant or model")
+    p.add_argument("--group-by", choices=GROUP_BYS, default=None, help="one row per day, tenant, model or fleet replica")
     p.add_argument("--format", choices=FORMATS, default="table", help="output format (default: table)")
     g = p.add_argument_group("statements and utilisation")
     g.add_argument("--invoice", action="store_true",
