@@ -32,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--since", default=None,
                    help="only requests since then: an ISO date or time (UTC unless it has an offset), "
                         "or a span back from now such as 30m, 24h, 7d, 2w")
-    p.add_argument("--group-by", choices=GROUP_BYS, default=None, help="one row per day, tenant, model or fleet replica")
+    p.add_argument("--group-by", choices=GROUP_BYS, default=None, help="one row per day, tenant, model or replica")
     p.add_argument("--format", choices=FORMATS, default="table", help="output format (default: table)")
     g = p.add_argument_group("statements and utilisation")
     g.add_argument("--invoice", action="store_true",
