@@ -133,13 +133,20 @@ def test_spike_jumps_to_the_needed_count_in_one_decision() -> None:
     assert pool.num_started == 2 + 5
 
 
-def test_slo_breach_adds_one_even_when_the_load_looks_small() -> None:
+def test_slo_breach_adds_one_even_when_the_load_looks_within_the_band() -> None:
     clock, pool, ctl = setup(ready=2)
     for t in range(0, 30):
         ctl.latency.observe(float(t), 3.5, 0.05)  # TTFT p99 3.5 s against the SLO's 2 s
-    trace = run(clock, pool, ctl, lambda t: 2, 15)
+    trace = run(clock, pool, ctl, lambda t: 10, 15)  # 10 seqs: under 80% of 2 x 8, over 40%
     ups = changes(trace)
     assert len(ups) == 1 and ups[0].replicas == 3 and "TTFT p99 3.50 s > SLO 2 s" in ups[0].reason
+
+
+def test_a_slow_tail_at_low_load_adds_nothing() -> None:
+    clock, pool, ctl = setup(ready=2)
+    for t in range(0, 30):
+        ctl.latency.observe(float(t), 30.0, 0.05)  # e.g. requests that waited out a cold start
+    assert changes(run(clock, pool, ctl, lambda t: 2, 15)) == []
 
 
 def test_drop_drains_the_least_loaded_and_stops_it_only_when_empty() -> None:

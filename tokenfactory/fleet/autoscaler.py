@@ -7,7 +7,8 @@ fleet's, fleet/scaling_pool.py, or the simulator's, fleet/simulator.py: the same
 
     slo      (default) enough replicas that each runs at most `up_utilisation` of the concurrency it can serve
              within the SLO (the planner's largest batch whose step meets the TPOT target); one more at once
-             when TTFT or TPOT breaks the SLO, the KV cache is nearly full or requests queue; fewer when the
+             when TTFT or TPOT breaks the SLO (at a load above the band's floor: below it, more replicas would
+             not help), the KV cache is nearly full or requests queue; fewer when the
              load would fit in fewer at `down_utilisation` (the gap between the two is the hysteresis band).
     energy   the same SLO guard, but packs replicas to `pack_utilisation` of that concurrency before adding one
              (a busy replica makes a token for fewer joules than two half-idle ones: the step's weight read
@@ -245,7 +246,10 @@ class SLODriven:
             return Proposal(cfg.min_replicas, "no replica and no demand")
         cap = self.target_seqs(signals)
         up_at = self.up_fill() * cap
-        if (why := self.breach(signals)) is not None:
+        why = self.breach(signals)
+        if why is not None and why.startswith(("TTFT", "TPOT")) and load <= self.down_fill() * cap * n:
+            why = None  # slow at a load below the band: not for want of replicas (a cold start's tail, one long prompt)
+        if why is not None:
             if any(r.state == "starting" for r in signals.active):  # its cold start is the remedy under way
                 return Proposal(max(n, math.ceil(load / up_at)), f"{why}; a replica is starting")
             return Proposal(max(n + 1, math.ceil(load / up_at)), why)
