@@ -44,7 +44,7 @@ def test_a_point_is_rates_over_the_interval_by_hand():
         num_prompt_tokens_total=300, num_generation_tokens_total=100, num_free_kv_blocks=75, num_waiting=3,
         num_prefix_queries=200, num_prefix_hits=50, num_preemptions=2), facts),),
         totals(900.0, 2.5, 1.5), ((0.1, 4.0), (1.0, 10.0), (math.inf, 10.0)), ())
-    p = make_point(a, b, a, prices)
+    p = make_point(a, b, prices)
     assert p["t"] == 1002.0 and p["tokens_in_s"] == 150.0 and p["tokens_out_s"] == 50.0
     assert p["watts"] == 200.0 and p["joules_per_token"] == 4.0 and p["energy_source"] == "constant"
     usd_per_s = 2.99 / 3600 + prices.energy_cost_usd(200.0)  # one second of H100 at 200 W
@@ -60,8 +60,7 @@ def test_a_point_is_rates_over_the_interval_by_hand():
 def test_replicas_are_a_list_of_the_same_snapshot():
     two = (Replica("r0", stats(num_generation_tokens_total=10), {}), Replica("r1", stats(num_free_kv_blocks=0), {}))
     before = (Replica("r0", stats(), {}), Replica("r1", stats(), {}))
-    p = make_point(Sample(0, 0, before, None, (), ()), Sample(1, 1, two, None, (), ()),
-                   Sample(0, 0, before, None, (), ()), None)
+    p = make_point(Sample(0, 0, before, None, (), ()), Sample(1, 1, two, None, (), ()), None)
     assert [r["name"] for r in p["replicas"]] == ["r0", "r1"]
     assert p["tokens_out_s"] == 10.0 and p["kv_usage"] == 0.5 and "watts" not in p  # no meter, no power
 
@@ -187,12 +186,12 @@ def test_a_fleet_is_viewed_per_replica_from_its_status():
 
 
 def test_busy_share_is_taken_over_the_window_and_capped():
-    """A 4 s step that ends inside a 1 s interval counts all its time there: the share over the 10 s
-    window is 0.4, and a single interval's is capped at 1."""
+    """A 4 s step that ends inside a 1 s interval counts all its time there: the share over a 10 s
+    window is 0.4, and over that one second it is capped at 1."""
     local = (Replica("local", stats(), {}),)
     start = Sample(0.0, 0.0, local, totals(0.0, 0.0, 0.0), (), ())
     prev = Sample(9.0, 9.0, local, totals(0.0, 0.0, 9.0), (), ())
     cur = Sample(10.0, 10.0, local, totals(0.0, 4.0, 6.0), (), ())
-    p = make_point(prev, cur, start, load_prices())
+    p = make_point(start, cur, load_prices())
     assert p["busy"] == pytest.approx(0.4) and p["idle"] == pytest.approx(0.6)
-    assert make_point(prev, cur, prev, load_prices())["busy"] == 1.0
+    assert make_point(prev, cur, load_prices())["busy"] == 1.0

@@ -2,17 +2,18 @@
 
 A sampler thread reads only what is already published — `EngineClient.stats()` (an immutable snapshot),
 `Meter.totals()` (one lock) and the server's latency histograms — never live engine state, and the step
-loop does nothing for it. Each point is computed from two samples (rates are counter deltas over the
-interval):
+loop does nothing for it. Each point is computed from two samples: the newest and the one `window`
+samples before it (10 s at a point a second), so rates are counter deltas over a trailing window, as
+Prometheus' rate(x[10s]) (a per-second rate of prefill-sized steps would be all spikes):
 
     tokens_in_s, tokens_out_s   Δ prompt tokens / Δt, Δ generated tokens / Δt                   [token/s]
     watts                       Δ energy / Δt from the meter's source (null when it cannot measure) [W]
     joules_per_token            Δ energy / Δ generated tokens (idle included: what a token cost)  [J/token]
     usd_per_mtok                (usd_per_hour / 3600 · devices + watts · psu · pue / 3.6e6 · usd_per_kwh)
                                 / tokens_out_s · 1e6: the machine's running cost per million tokens out
-    busy, idle                  Δ busy device-seconds / (Δt · devices) over the latency window, capped
-                                at 1 (a step's time lands when it ends); idle = 1 − busy             [0..1]
-    ttft/tpot p50, p99          histogram_quantile over the last `latency_window` samples' bucket deltas
+    busy, idle                  Δ busy device-seconds / (Δt · devices), capped at 1 (a step's time
+                                lands when it ends); idle = 1 − busy                               [0..1]
+    ttft/tpot p50, p99          histogram_quantile over the window's bucket deltas
                                 (Prometheus' linear interpolation inside a bucket)                [s]
 
 Replicas: a client that fronts several engines (the fleet) offers `replicas` (name -> EngineClient); each
@@ -104,7 +105,7 @@ def _ratio(num: float, den: float) -> float | None:
 
 
 def replica_point(prev: Replica | None, cur: Replica, dt: float) -> dict[str, Any]:
-    """A replica's fields over one interval (prev None: its first sample, rates 0)."""
+    """A replica's fields over the window since `prev` (None: a replica new in it, rates 0)."""
     s, p = cur.stats, prev.stats if prev is not None else cur.stats
     spec, pspec = s.speculative, p.speculative
     acceptance = (_ratio(spec.num_accepted_tokens - pspec.num_accepted_tokens,
@@ -126,7 +127,7 @@ def replica_point(prev: Replica | None, cur: Replica, dt: float) -> dict[str, An
 
 def meter_point(prev: MeterTotals, cur: MeterTotals, dt: float, tokens_out: float, prices: Prices,
                 num_devices: int) -> dict[str, Any]:
-    """Power, J/token, $/Mtok and busy/idle shares over one interval (module docstring)."""
+    """Power, J/token, $/Mtok and busy/idle shares over the window (module docstring)."""
     prev_j, cur_j = sum(prev.energy_joules_by_source.values()), sum(cur.energy_joules_by_source.values())
     measured = bool(cur.energy_joules_by_source) and bool(prev.energy_joules_by_source)
     watts = _rate(cur_j - prev_j, dt) if measured else None
@@ -151,12 +152,11 @@ def busy_idle(before: MeterTotals, after: MeterTotals, device_seconds: float) ->
     return {"busy": busy, "idle": 1.0 - busy}
 
 
-def make_point(prev: Sample, cur: Sample, window_start: Sample, prices: Prices | None,
-               num_devices: int = 1) -> dict[str, Any]:
-    """The dashboard's point for the interval [prev, cur]; latencies over [window_start, cur]."""
-    dt = cur.monotonic - prev.monotonic
-    name_to_prev = {r.name: r for r in prev.replicas}
-    replicas = [replica_point(name_to_prev.get(r.name), r, dt) for r in cur.replicas]
+def make_point(start: Sample, cur: Sample, prices: Prices | None, num_devices: int = 1) -> dict[str, Any]:
+    """The dashboard's point at `cur`: rates, shares and latencies over the window [start, cur]."""
+    dt = cur.monotonic - start.monotonic
+    name_to_start = {r.name: r for r in start.replicas}
+    replicas = [replica_point(name_to_start.get(r.name), r, dt) for r in cur.replicas]
     point: dict[str, Any] = {"t": cur.wall, "replicas": replicas}
     for name in ("tokens_in_s", "tokens_out_s", "running", "waiting", "preemptions"):
         point[name] = sum(r[name] for r in replicas)
@@ -170,13 +170,11 @@ def make_point(prev: Sample, cur: Sample, window_start: Sample, prices: Prices |
     point["prefix_hit_rate"] = sum(hits) / len(hits) if hits else None
     accepts = [r["spec_acceptance"] for r in replicas if r["spec_acceptance"] is not None]
     point["spec_acceptance"] = sum(accepts) / len(accepts) if accepts else None
-    if cur.meter is not None and prev.meter is not None and prices is not None:
-        point |= meter_point(prev.meter, cur.meter, dt, point["tokens_out_s"] * dt, prices, num_devices)
-        if window_start.meter is not None:  # a step's device time lands when it ends: shares over the window
-            point |= busy_idle(window_start.meter, cur.meter, (cur.monotonic - window_start.monotonic) * num_devices)
+    if cur.meter is not None and start.meter is not None and prices is not None:
+        point |= meter_point(start.meter, cur.meter, dt, point["tokens_out_s"] * dt, prices, num_devices)
     for name, attr in (("ttft", "ttft_buckets"), ("tpot", "tpot_buckets")):
         for q in (50, 99):
-            point[f"{name}_p{q}"] = quantile(q / 100, getattr(window_start, attr), getattr(cur, attr))
+            point[f"{name}_p{q}"] = quantile(q / 100, getattr(start, attr), getattr(cur, attr))
     return point
 
 
@@ -185,13 +183,13 @@ class DashboardFeed:
     after a sequence number (`since`), so a page that falls behind costs nothing but its own catch-up."""
 
     def __init__(self, engine: EngineClient, ttft: Histogram, tpot: Histogram, meter: Meter | None = None,
-                 interval_s: float = 1.0, history_s: float = 3600.0, latency_window: int = 10,
+                 interval_s: float = 1.0, history_s: float = 3600.0, window: int = 10,
                  wall: Callable[[], float] = time.time, clock: Callable[[], float] = time.monotonic) -> None:
         self.engine, self.meter, self.interval_s = engine, meter, interval_s
         self._ttft, self._tpot, self._wall, self._clock = ttft, tpot, wall, clock
         self._lock = threading.Lock()
         self._points: deque[tuple[int, dict[str, Any]]] = deque(maxlen=max(int(history_s / interval_s), 1))
-        self._samples: deque[Sample] = deque(maxlen=latency_window + 1)
+        self._samples: deque[Sample] = deque(maxlen=window + 1)
         self._seq = 0
         self.default_facts: dict[str, Any] = {}  # weight_bytes, kv_bytes of a client that has no `facts`
         self._stop = threading.Event()
@@ -223,7 +221,7 @@ class DashboardFeed:
             if prev is None:
                 return None
             prices = self.meter.prices if self.meter is not None else None
-            point = make_point(prev, cur, self._samples[0], prices)
+            point = make_point(self._samples[0], cur, prices)
             self._seq += 1
             self._points.append((self._seq, point))
             return point

@@ -17,7 +17,7 @@
   const T = (name) => (p) => p[name];
   const scaled = (f, k) => (p) => { const v = f(p); return v == null ? null : v * k; };
   const CHARTS = [
-    { id: "tokens", title: "Tokens/s", series: [["in (prompt)", R("tokens_in_s"), "#2563eb"],
+    { id: "tokens", title: "Tokens/s (trailing 10 s)", series: [["in (prompt)", R("tokens_in_s"), "#2563eb"],
                                              ["out (generated)", R("tokens_out_s"), "#16a34a"]] },
     { id: "power", title: "Power (W) and joules per output token", series: [
         ["watts", T("watts"), "#dc2626", "W"], ["J/token", T("joules_per_token"), "#9333ea", "J"]] },
