@@ -1,6 +1,7 @@
 """The batch band in the real Scheduler, driven without a model (fast, exact): batch sequences give way to
 non-batch ones within one step whatever the policy (seats and blocks), are the victims and never the
-preemptors, and keep their guaranteed seats (`batch_min_share`)."""
+preemptors, and keep their guaranteed seats (`batch_min_share`); under the "share" yield they hold only
+those while other traffic is present, and take the rest again once it has been gone a while."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import itertools
 
 import pytest
 
+from tokenfactory.config import EngineConfig
 from tokenfactory.engine.kv_cache import BlockManager
 from tokenfactory.engine.scheduler import POLICIES, Scheduler, make_policy
 from tokenfactory.engine.sequence import Sequence, SequenceStatus
@@ -31,9 +33,11 @@ def seq(band: str, prompt: int = 16, max_tokens: int = 64, tenant: str = "t") ->
                     priority=BANDS[band])
 
 
-def scheduler(policy: str, num_blocks: int = 512, max_num_seqs: int = 4, share: float = 0.0) -> Scheduler:
+def scheduler(policy: str, num_blocks: int = 512, max_num_seqs: int = 4, share: float = 0.0,
+              yield_: str = "seats", idle_steps: int = 4) -> Scheduler:
     return Scheduler(BlockManager(num_blocks, 16), max_num_seqs=max_num_seqs, max_num_batched_tokens=256,
-                     max_model_len=1024, policy=make_policy(policy, Shape()), batch_min_share=share)
+                     max_model_len=1024, policy=make_policy(policy, Shape()), batch_min_share=share,
+                     batch_yield=yield_, batch_idle_steps=idle_steps)
 
 
 def step(s: Scheduler) -> list[Sequence]:
@@ -140,6 +144,42 @@ def test_without_a_share_batch_yields_every_seat(policy: str) -> None:
     assert running_batch(s) == 0 and len(s.running) == 4
 
 
-def test_a_share_outside_0_to_1_names_the_parameter() -> None:
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_the_share_yield_cuts_batch_to_its_share_while_others_run_then_lets_it_fill_again(policy: str) -> None:
+    s = scheduler(policy, max_num_seqs=8, share=0.25, yield_="share", idle_steps=4)  # 2 seats kept
+    for _ in range(10):
+        s.add(seq("batch", max_tokens=400))
+    step(s)
+    assert running_batch(s) == 8  # alone, batch fills every seat
+    chat = seq("interactive", max_tokens=3)
+    s.add(chat)
+    assert chat in step(s)  # in the same step, and batch is down to its share although seats are free
+    assert running_batch(s) == 2 and len(s.running) == 3
+    while not chat.is_finished:
+        step(s)
+        assert running_batch(s) == 2
+    for _ in range(3):  # no other traffic for fewer than idle_steps steps: still at its share (a gap)
+        step(s)
+        assert running_batch(s) == 2
+    step(s)
+    assert running_batch(s) == 8
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_with_no_share_the_share_yield_gives_batch_nothing_while_others_run(policy: str) -> None:
+    s = scheduler(policy, max_num_seqs=8, share=0.0, yield_="share")
+    for _ in range(4):
+        s.add(seq("batch", max_tokens=400))
+    step(s)
+    s.add(seq("standard", max_tokens=50))
+    step(s)
+    assert running_batch(s) == 0 and len(s.running) == 1
+
+
+def test_bad_batch_settings_name_the_parameter() -> None:
     with pytest.raises(ParameterError, match="batch_min_share"):
         scheduler("fcfs", share=1.5)
+    with pytest.raises(ParameterError, match="batch_yield"):
+        scheduler("fcfs", yield_="never")
+    with pytest.raises(ParameterError, match="batch_yield"):
+        EngineConfig(batch_yield="never")

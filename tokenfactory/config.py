@@ -116,6 +116,9 @@ class EngineConfig:
     # Of max_num_seqs, the share of seats kept for the batch priority band while it has work (engine/scheduler.py):
     # batch jobs still finish on a busy server; interactive work never waits for the rest.
     batch_min_share: float = 0.1
+    # How far batch gives way to other traffic: "share" (down to batch_min_share while others are present) or
+    # "seats" (only the seats and blocks they need; fills free decode rows, where those are cheap).
+    batch_yield: str = "share"
     # Speculative decoding: "none", "ngram", "draft:PATH" or "self-int4" (tokenfactory.engine.speculative,
     # validated there); up to num_speculative_tokens drafted tokens per sequence and step.
     speculative: str = "none"
@@ -139,6 +142,8 @@ class EngineConfig:
             raise ParameterError("dtype", f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not 0.0 <= self.batch_min_share <= 1.0:
             raise ParameterError("batch_min_share", f"batch_min_share must be in [0, 1], got {self.batch_min_share}")
+        if self.batch_yield not in ("share", "seats"):
+            raise ParameterError("batch_yield", f"batch_yield must be share or seats, got {self.batch_yield!r}")
         if self.kv_cache_dtype not in ("auto", "int8", "fp8"):
             raise ParameterError("kv_cache_dtype",
                                  f"kv_cache_dtype must be auto, int8 or fp8, got {self.kv_cache_dtype!r}")

@@ -105,7 +105,8 @@ class LLMEngine:
                                  f"got {config.scheduling_policy!r}")
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, make_policy(config.scheduling_policy, loaded.config),
-                                   eos_token_ids=self.eos_token_ids, batch_min_share=config.batch_min_share)
+                                   eos_token_ids=self.eos_token_ids, batch_min_share=config.batch_min_share,
+                                   batch_yield=config.batch_yield)
         self.speculator = build_speculator(SpecHost(
             config, loaded.config, self.tokenizer, self.eos_token_ids, self.capacity, self.device, self.dtype,
             self.max_model_len, self.runner, self.kv), loaded)

@@ -16,6 +16,13 @@ out; a waiting non-batch sequence that finds no seat (`max_num_seqs`) or no bloc
 running batch sequence in the same step; waiting non-batch sequences are admitted before waiting batch
 ones. `batch_min_share` keeps ceil(share x max_num_seqs) seats for batch work while it has any, so a busy
 server still finishes it: non-batch sequences never preempt batch below that, nor are admitted into it.
+
+How far batch gives way is `batch_yield`. "share" (the default): while other traffic is present, batch holds
+only its kept seats, and takes the rest again once no other work has been seen for `batch_idle_steps`
+steps (so a closed loop's gaps between requests do not make it expand and be preempted again). Extra rows
+in a step are not free where compute is short (a CPU: each one lengthens the step every other sequence
+waits for). "seats": batch gives up only the seats and blocks other sequences need, and otherwise fills
+every free seat (where a decode row costs little, as on a GPU).
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import time
 from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from tokenfactory.config import FlopShape
 from tokenfactory.engine.fair import FairPolicy, JoulesFairPolicy
@@ -34,6 +41,15 @@ from tokenfactory.engine.sequence import Draft, Sequence, SequenceStatus
 from tokenfactory.types import BANDS, FinishReason, ParameterError
 
 BATCH_BAND = BANDS["batch"]
+BATCH_YIELDS = ("share", "seats")  # how far the batch band gives way (the module's docstring)
+
+
+class BatchDemand(NamedTuple):
+    """What the batch band must make room for, counted once per step."""
+
+    num_waiting_other: int  # waiting non-batch sequences
+    num_running_other: int  # running non-batch sequences
+    num_kept: int  # seats batch keeps: its guaranteed seats, or fewer if it has less work
 
 
 class SchedulingPolicy(Protocol):
@@ -129,12 +145,19 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, policy: SchedulingPolicy | None = None,
-                 eos_token_ids: frozenset[int] = frozenset(), batch_min_share: float = 0.0) -> None:
+                 eos_token_ids: frozenset[int] = frozenset(), batch_min_share: float = 0.0,
+                 batch_yield: str = "share", batch_idle_steps: int = 16) -> None:
         if not 0.0 <= batch_min_share <= 1.0:
             raise ParameterError("batch_min_share", f"batch_min_share must be in [0, 1], got {batch_min_share}")
+        if batch_yield not in BATCH_YIELDS:
+            raise ParameterError("batch_yield", f"batch_yield must be one of {', '.join(BATCH_YIELDS)}, "
+                                 f"got {batch_yield!r}")
         self.kv = block_manager
-        # Seats kept for the batch band while it has work (the module's docstring).
+        # The batch band (the module's docstring): seats kept while it has work, how far it gives way.
         self.num_batch_seats = math.ceil(batch_min_share * max_num_seqs)
+        self.batch_yield, self.batch_idle_steps = batch_yield, batch_idle_steps
+        self.num_steps_without_others = batch_idle_steps  # steps since non-batch work was last present
+        self.demand = BatchDemand(0, 0, 0)
         self.eos_token_ids = eos_token_ids
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -161,6 +184,9 @@ class Scheduler:
         # Batch sequences last (stable: oldest first within each group), so they are served after the
         # others and the newest batch sequence is the first victim when blocks run out.
         self.running.sort(key=lambda s: s.priority >= BATCH_BAND)
+        self.demand = self._batch_demand()  # moves between running and waiting this step do not change it
+        others = self.demand.num_waiting_other + self.demand.num_running_other > 0
+        self.num_steps_without_others = 0 if others else self.num_steps_without_others + 1
         self._yield_seats(out)
         num_yielded = len(out.preempted)
         i = 0
@@ -202,8 +228,7 @@ class Scheduler:
             return None
         return ScheduledChunk(seq, 1 + k, seq.num_computed_tokens, draft.head(k))
 
-    def _batch_demand(self) -> tuple[int, int]:
-        """(waiting non-batch sequences, batch seats to keep): what the batch band must make room for."""
+    def _batch_demand(self) -> BatchDemand:
         num_waiting_other = num_waiting_batch = 0
         for seq in self.waiting:
             if seq.priority >= BATCH_BAND:
@@ -211,28 +236,37 @@ class Scheduler:
             else:
                 num_waiting_other += 1
         num_running_batch = sum(1 for s in self.running if s.priority >= BATCH_BAND)
-        return num_waiting_other, min(self.num_batch_seats, num_running_batch + num_waiting_batch)
+        return BatchDemand(num_waiting_other, len(self.running) - num_running_batch,
+                           min(self.num_batch_seats, num_running_batch + num_waiting_batch))
+
+    @property
+    def batch_cap(self) -> int:
+        """The most seats batch may hold this step: its kept seats while other traffic is (or was just)
+        present under the "share" yield, else all of them."""
+        if self.batch_yield == "share" and self.num_steps_without_others < self.batch_idle_steps:
+            return self.demand.num_kept
+        return self.max_num_seqs
 
     def _yield_seats(self, out: SchedulerOutput) -> None:
-        """Preempt the newest running batch sequences (down to the kept seats) so that waiting non-batch
-        sequences find seats this step; the running list is sorted, batch at the tail."""
+        """Preempt the newest running batch sequences (never below the kept seats): those above the cap,
+        and as many as waiting non-batch sequences lack seats; the running list is sorted, batch last."""
         if not self.running or self.running[-1].priority < BATCH_BAND:
             return
-        num_waiting_other, num_kept = self._batch_demand()
-        num_short = num_waiting_other - (self.max_num_seqs - len(self.running))
-        while num_short > 0 and self.running and self.running[-1].priority >= BATCH_BAND \
-                and sum(1 for s in self.running if s.priority >= BATCH_BAND) > num_kept \
-                and (self.isolate is None or self.running[-1].request_id == self.isolate):
+        num_batch = sum(1 for s in self.running if s.priority >= BATCH_BAND)
+        num_short = self.demand.num_waiting_other - (self.max_num_seqs - len(self.running))
+        num_yield = min(max(num_short, num_batch - self.batch_cap), num_batch - self.demand.num_kept)
+        for _ in range(max(num_yield, 0)):
+            if self.isolate is not None and self.running[-1].request_id != self.isolate:
+                break
             self._preempt(self.running.pop(), out)
-            num_short -= 1
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        """Non-batch sequences first (up to the seats batch does not keep), then batch ones."""
-        _, num_kept = self._batch_demand()
+        """Non-batch sequences first (up to the seats batch does not keep), then batch ones (up to its cap)."""
+        num_kept = self.demand.num_kept
         num_preempted = len(out.preempted)
         budget, blocked = self._admit_pass(out, budget, batch=False, max_seats=self.max_num_seqs - num_kept)
         if not blocked and len(out.preempted) == num_preempted:  # an evicted batch sequence waits a step
-            budget, _ = self._admit_pass(out, budget, batch=True, max_seats=self.max_num_seqs)
+            budget, _ = self._admit_pass(out, budget, batch=True, max_seats=self.batch_cap)
         return budget
 
     def _admit_pass(self, out: SchedulerOutput, budget: int, batch: bool, max_seats: int) -> tuple[int, bool]:
@@ -276,9 +310,8 @@ class Scheduler:
     def _evict_batch(self, out: SchedulerOutput) -> int | None:
         """Preempt the newest running batch sequence (above the kept seats) for a non-batch one that
         lacks blocks, dropping its chunk from this step; returns the tokens its chunk had, or None."""
-        _, num_kept = self._batch_demand()
         batch = [s for s in self.running if s.priority >= BATCH_BAND]
-        if len(batch) <= num_kept:
+        if len(batch) <= self.demand.num_kept:
             return None
         victim = batch[-1]
         chunk = next((c for c in out.chunks if c.seq is victim), None)

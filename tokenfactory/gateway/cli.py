@@ -43,6 +43,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-share", type=float, default=0.1,
                    help="of --max-num-seqs, the share of seats kept for batch jobs while they have work, so a busy "
                         "server still finishes them; the rest they fill only when idle (docs/batch.md)")
+    p.add_argument("--batch-yield", default="share", choices=["share", "seats"],
+                   help="how far batch jobs give way to other traffic: share (down to --batch-share while it is "
+                        "present: the default, right where compute is short) or seats (only the seats it needs)")
     p.add_argument("--quantization", default="auto",
                    help="weights: auto (a GGUF keeps its own quantization), none, int8, int4, int4-g64, ...")
     p.add_argument("--seed", type=int, default=0)
@@ -70,6 +73,7 @@ def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201 - EngineC
                         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
                         batch_min_share=getattr(args, "batch_share", 0.1),
+                        batch_yield=getattr(args, "batch_yield", "share"),
                         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                         quantization=args.quantization,
                         single_thread_step_tokens=getattr(args, "single_thread_step_tokens", 0),
