@@ -274,6 +274,8 @@ def test_one_endpoint_over_a_fleet_with_the_official_client(tmp_path) -> None:
         assert sum(s == "finished" for s, _ in rows) == 2 + codes.count(200)
         assert sum(s == "failed" for s, _ in rows) == codes.count(500)
         assert {rep for _, rep in rows} <= {"r0", "r1", None}
+        health = httpx.get(gw.url + "/health").json()
+        assert health["status"] == "degraded" and list(health["replicas_down"]) == ["r0"]
         usage = httpx.get(gw.url + "/v1/usage", params={"group_by": "replica"}).json()
         assert sum(d["num_requests"] for d in usage["data"]) == len(rows)
         fakes[1].wait_idle()
@@ -285,3 +287,43 @@ def test_least_work_ties_go_round() -> None:
     policy, views = LeastWork(), [view("b"), view("a"), view("c")]
     assert [policy.choose(req([1]), views).replica_id for _ in range(4)] == ["a", "b", "c", "a"]
     assert policy.choose(req([1]), [view("a", tokens=5), view("b")]).replica_id == "b"
+
+
+# -- external backends: what they report ----------------------------------------------------------------------
+
+
+def test_backend_metrics_are_read_under_vllm_sglang_and_our_names() -> None:
+    from tokenfactory.fleet.backend import parse_backend_metrics
+
+    vllm = ('# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name="m"} 3.0\n'
+            '# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name="m"} 2.0\n'
+            '# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{model_name="m"} 0.25\n')
+    sglang = ("# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs 7\n"
+              "# TYPE sglang:num_queue_reqs gauge\nsglang:num_queue_reqs 1\nsglang:token_usage 0.5\n")
+    m = parse_backend_metrics(vllm)
+    assert (m.num_running, m.num_waiting, m.kv_cache_usage) == (3, 2, 0.25)
+    m = parse_backend_metrics(sglang)
+    assert (m.num_running, m.num_waiting, m.kv_cache_usage) == (7, 1, 0.5)
+    assert parse_backend_metrics("garbage {{{").num_running is None
+
+
+def test_backend_stream_counts_come_from_its_usage_or_our_tokenizer() -> None:
+    from tests.fake_engine import FakeTokenizer
+    from tokenfactory.fleet.backend import _Accumulated
+    from tokenfactory.types import RequestMetrics
+
+    def feed(lines: list[str]) -> tuple[list, object]:
+        acc = _Accumulated(add("q"), FakeTokenizer(), RequestMetrics(arrival_time=time.monotonic()))
+        outs = [acc.output() for line in lines if acc.feed(line) and not acc.all_finished]
+        return outs, acc.final()
+
+    chunks = ['data: {"choices": [{"index": 0, "text": "Hel"}]}', 'data: {"choices": [{"index": 0, "text": "lo"}]}',
+              'data: {"choices": [{"index": 0, "text": "!", "finish_reason": "length"}]}']
+    outs, final = feed([*chunks, 'data: {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3}}',
+                        "data: [DONE]"])
+    assert [o.outputs[0].text_delta for o in outs] == ["Hel", "lo"]
+    assert final.outputs[0].text == "Hello!" and final.outputs[0].text_delta == "!"
+    assert final.outputs[0].finish_reason == "length"
+    assert final.num_completion_tokens == 3 and final.tokens_source == "backend"
+    _, final = feed(chunks)  # no usage sent: our tokenizer counts the text (6 byte tokens), and says so
+    assert final.num_completion_tokens == 6 and final.tokens_source == "tokenizer"

@@ -18,10 +18,10 @@ stickiness (`Sticky`) wraps any policy: a `user` keeps its replica while that re
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Protocol
 
 EXPECTED_OUTPUT_TOKENS = 256  # what an unbounded max_tokens is expected to cost, for outstanding work
@@ -83,6 +83,10 @@ class RouteRequest:
     max_tokens: int | None
     user: str | None = None
     tenant: str = "anonymous"
+
+    @cached_property
+    def block_hashes(self) -> list[int]:  # the prefix index's key, computed once per request
+        return block_hashes(self.prompt_token_ids)
 
     @property
     def expected_tokens(self) -> int:
@@ -147,13 +151,13 @@ class LeastWork:
         pass
 
 
-def block_hashes(token_ids: Sequence[int], block: int = PREFIX_BLOCK_TOKENS) -> list[bytes]:
-    """Chained hashes of the prompt's full blocks: equal hash i means an equal prefix of (i+1)·block tokens."""
-    hashes, parent = [], b""
+def block_hashes(token_ids: Sequence[int], block: int = PREFIX_BLOCK_TOKENS) -> list[int]:
+    """Chained hashes of the prompt's full blocks: equal hash i means an equal prefix of (i+1)·block tokens
+    (up to a collision of Python's tuple hash, which an approximate index can afford; ints are not salted)."""
+    hashes, parent = [], 0
     for start in range(0, len(token_ids) - block + 1, block):
-        h = hashlib.blake2b(parent + repr(tuple(token_ids[start:start + block])).encode(), digest_size=12).digest()
-        hashes.append(h)
-        parent = h
+        parent = hash((parent, *token_ids[start:start + block]))
+        hashes.append(parent)
     return hashes
 
 
@@ -162,9 +166,9 @@ class PrefixIndex:
 
     def __init__(self, max_blocks: int = 100_000) -> None:
         self.max_blocks = max_blocks
-        self.hash_to_replicas: OrderedDict[bytes, set[str]] = OrderedDict()
+        self.hash_to_replicas: OrderedDict[int, set[str]] = OrderedDict()
 
-    def insert(self, hashes: Sequence[bytes], replica_id: str) -> None:
+    def insert(self, hashes: Sequence[int], replica_id: str) -> None:
         for h in hashes:
             owners = self.hash_to_replicas.get(h)
             if owners is None:
@@ -175,7 +179,7 @@ class PrefixIndex:
         while len(self.hash_to_replicas) > self.max_blocks:
             self.hash_to_replicas.popitem(last=False)
 
-    def matched_blocks(self, hashes: Sequence[bytes], replica_id: str) -> int:
+    def matched_blocks(self, hashes: Sequence[int], replica_id: str) -> int:
         n = 0
         for h in hashes:
             owners = self.hash_to_replicas.get(h)
@@ -197,7 +201,7 @@ class PrefixAffinity:
         self.fallback = fallback if fallback is not None else LeastWork()
 
     def choose(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> RouteDecision:
-        hashes = block_hashes(request.prompt_token_ids)
+        hashes = request.block_hashes
         matched = {r.replica_id: self.index.matched_blocks(hashes, r.replica_id) for r in replicas}
         scores = {rid: -float(m * PREFIX_BLOCK_TOKENS) for rid, m in matched.items()}
         candidates = [r for r in replicas if matched[r.replica_id] > 0 and not overloaded(r, replicas)]
@@ -211,7 +215,7 @@ class PrefixAffinity:
                              f"longest cached prefix ({matched[best.replica_id] * PREFIX_BLOCK_TOKENS} tokens)", scores)
 
     def routed(self, request: RouteRequest, replica_id: str) -> None:
-        self.index.insert(block_hashes(request.prompt_token_ids), replica_id)
+        self.index.insert(request.block_hashes, replica_id)
 
     def forget(self, replica_id: str) -> None:
         self.index.forget(replica_id)

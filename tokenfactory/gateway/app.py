@@ -29,7 +29,7 @@ from tokenfactory.gateway.admin import Tenancy
 from tokenfactory.gateway.admission import Admission
 from tokenfactory.gateway.batch_api import install_batch_routes
 from tokenfactory.gateway.errors import APIError, BodySizeLimit, install_error_handlers
-from tokenfactory.gateway.fleet_routes import install_fleet_routes
+from tokenfactory.gateway.fleet_routes import fleet_down, install_fleet_routes
 from tokenfactory.gateway.metrics import ServerMetrics
 from tokenfactory.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from tokenfactory.gateway.serving import Handler, ServerSettings
@@ -78,6 +78,10 @@ def build_app(engine: EngineClient, settings: ServerSettings, accounting: Accoun
         if ledger is not None and ledger.degraded:  # serving goes on; rows wait in the journal
             return JSONResponse({"status": "degraded", "model": settings.served_model_name, "reason": ledger.reason,
                                  "ledger_rows_pending": ledger.num_pending})
+        if isinstance(engine, Fleet) and (down := fleet_down(engine)):  # serving goes on with the others
+            return JSONResponse({"status": "degraded", "model": settings.served_model_name,
+                                 "reason": f"{len(down)} of {len(engine.replicas)} replicas are not taking requests",
+                                 "replicas_down": down})
         return JSONResponse({"status": "ok", "model": settings.served_model_name})
 
     @app.get("/metrics")

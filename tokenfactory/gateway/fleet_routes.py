@@ -66,6 +66,11 @@ def status_json(s: ReplicaStatus) -> dict:
     return d
 
 
+def fleet_down(fleet: Fleet) -> dict[str, str]:
+    """Replicas not taking requests, and why (for /health: the fleet serves on, degraded)."""
+    return {s.replica_id: s.down_reason or s.state for s in fleet.status() if not (s.alive and s.state == "ready")}
+
+
 def install_fleet_routes(app: FastAPI, fleet: Fleet, registry: CollectorRegistry, tenancy: Tenancy) -> None:
     registry.register(ReplicaCollector(fleet))
 
