@@ -255,3 +255,29 @@ def test_the_store_keeps_files_private_and_a_second_validation_starts_over(tmp_p
     assert store.results("batch_x", "error") == [{"error": "bad"}]
     assert store.get_job("batch_x")["status"] == "in_progress"
     ledger.close()
+
+
+def test_a_line_the_engine_fails_alone_goes_to_the_error_file_and_the_job_goes_on(gw: Gateway) -> None:
+    gw.engine.fail_prompts_containing("POISON")
+    c = client(gw)
+    lines = [json.dumps({"custom_id": f"p{i}", "method": "POST", "url": "/v1/completions",
+                         "body": {"prompt": "POISON" if i == 2 else "fine", "max_tokens": 4}}) for i in range(5)]
+    final = wait_done(c, submit(c, "\n".join(lines).encode(), endpoint="/v1/completions").id)
+    assert final.status == "completed" and (final.request_counts.completed, final.request_counts.failed) == (4, 1)
+    (error,) = [json.loads(x) for x in c.files.content(final.error_file_id).text.splitlines()]
+    assert error["custom_id"] == "p2" and error["response"]["status_code"] == 500
+    assert error["response"]["body"]["error"]["code"] == "request_failed"
+    assert {r["status"] for r in gw.ledger_rows() if r["request_id"].startswith(final.id)} == {"finished", "failed"}
+
+
+def test_a_dead_engine_leaves_the_job_in_progress_for_the_next_start(gw: Gateway) -> None:
+    c = client(gw)
+    lines = [json.dumps({"custom_id": f"d{i}", "method": "POST", "url": "/v1/completions",
+                         "body": {"prompt": "hi", "max_tokens": 30}}) for i in range(200)]
+    batch = submit(c, "\n".join(lines).encode(), endpoint="/v1/completions")
+    until(lambda: c.batches.retrieve(batch.id).request_counts.completed >= 2, what="some lines done")
+    gw.engine.kill()
+    runner = gw.server.config.app.app.state.batches  # under the limits' BodyDeadline wrapper
+    until(lambda: batch.id not in runner.tasks, what="the job's task to end (no retry loop)")
+    b = c.batches.retrieve(batch.id)
+    assert b.status == "in_progress" and 2 <= b.request_counts.completed < 200

@@ -260,9 +260,9 @@ class BatchRunner:
         kind = ENDPOINT_TO_KIND[job["endpoint"]]
 
         def cancelled() -> bool:
-            if batch_id in self.cancelled:
+            if not stop and batch_id in self.cancelled:
                 stop.append("cancelled")
-            elif time.time() > job["expires_at"]:
+            elif not stop and time.time() > job["expires_at"]:
                 stop.append("expired")
             return bool(stop)
 
@@ -292,6 +292,9 @@ class BatchRunner:
             status, body = answer
             if status == 402:  # the tenant's budget ran out: the job stops with what it has
                 stop.append("budget")
+                return
+            if status == 503 and body.get("error", {}).get("code") == "engine_unavailable":
+                stop.append("stopped")  # the engine is gone: the job waits in_progress for the next start
                 return
             if status not in RETRY_STATUSES:
                 break

@@ -108,6 +108,7 @@ def install_batch_routes(app: FastAPI, handler: Handler, settings: BatchSettings
     runner = (BatchRunner(handler, store, settings or BatchSettings(), principal_lookup(handler.tenancy))
               if store is not None else None)
     routes = _Routes(handler, store, runner)
+    app.state.batches = runner
     app.post("/v1/files")(routes.create_file)
     app.get("/v1/files/{file_id}")(routes.get_file)
     app.get("/v1/files/{file_id}/content")(routes.file_content)
