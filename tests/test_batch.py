@@ -122,6 +122,9 @@ def test_a_mixed_job_completes_with_matching_output_and_error_files(gw: Gateway)
     assert tf["device_seconds"] == pytest.approx(sum(r["device_seconds"] for r in ok_rows))
     assert final.usage.output_tokens == sum(r["completion_tokens"] for r in ok_rows)
     assert [b.id for b in c.batches.list()] == [batch.id]
+    files = {f.id: f for f in c.files.list()}
+    assert {batch.input_file_id, final.output_file_id, final.error_file_id} == set(files)
+    assert files[final.output_file_id].purpose == "batch_output"
 
 
 def test_lines_run_in_the_batch_band_as_the_tenant(gw: Gateway) -> None:

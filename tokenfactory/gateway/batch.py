@@ -3,7 +3,7 @@
 Routes (shapes as OpenAI's `FileObject` and `Batch`, so the official client works unchanged):
 
     POST /v1/files                   multipart: file (JSONL), purpose=batch          -> FileObject
-    GET  /v1/files/{id}              -> FileObject;  GET /v1/files/{id}/content   -> the bytes
+    GET  /v1/files[?purpose=]        GET /v1/files/{id} -> FileObject;  GET /v1/files/{id}/content -> the bytes
     POST /v1/batches                 {input_file_id, endpoint, completion_window, metadata} -> Batch
     GET  /v1/batches/{id}            GET /v1/batches?after=&limit=                 POST /v1/batches/{id}/cancel
 

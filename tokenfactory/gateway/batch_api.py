@@ -110,6 +110,7 @@ def install_batch_routes(app: FastAPI, handler: Handler, settings: BatchSettings
     routes = _Routes(handler, store, runner)
     app.state.batches = runner
     app.post("/v1/files")(routes.create_file)
+    app.get("/v1/files")(routes.list_files)
     app.get("/v1/files/{file_id}")(routes.get_file)
     app.get("/v1/files/{file_id}/content")(routes.file_content)
     app.post("/v1/batches")(routes.create_batch)
@@ -150,6 +151,10 @@ class _Routes:
         tenant = Tenancy.principal(request).tenant.name
         row = await asyncio.to_thread(store.add_file, content, file.filename or "upload.jsonl", purpose, tenant)
         return file_object(row)
+
+    async def list_files(self, request: Request, purpose: str | None = None) -> dict:
+        rows = await asyncio.to_thread(self.store.list_files, self.tenant_filter(request), purpose)
+        return {"object": "list", "data": [file_object(r) for r in rows], "has_more": False}
 
     async def get_file(self, request: Request, file_id: str) -> dict:
         row = await asyncio.to_thread(self.store.get_file, file_id)

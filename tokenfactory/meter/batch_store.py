@@ -170,6 +170,17 @@ class BatchStore:
             row = conn.execute(sa.select(files_table).where(files_table.c.file_id == file_id)).first()
         return row._asdict() if row is not None else None
 
+    def list_files(self, tenant: str | None, purpose: str | None) -> list[dict]:
+        """Newest first; `tenant` None: everyone's."""
+        t = files_table
+        stmt = sa.select(t).order_by(t.c.created_at.desc(), t.c.file_id)
+        if tenant is not None:
+            stmt = stmt.where(t.c.tenant == tenant)
+        if purpose is not None:
+            stmt = stmt.where(t.c.purpose == purpose)
+        with self.engine.connect() as conn:
+            return [r._asdict() for r in conn.execute(stmt.limit(10_000))]
+
     def read_file(self, file_id: str) -> bytes:
         return self.path(file_id).read_bytes()
 
