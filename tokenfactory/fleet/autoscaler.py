@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -345,26 +346,30 @@ class ReplicaPool(Protocol):
 
 
 class LatencyWindow:
-    """TTFT and TPOT observations over the last `window_s`, at a percentile: the SLO signal."""
+    """TTFT and TPOT observations over the last `window_s`, at a percentile: the SLO signal. Fed from replicas'
+    receiver threads and read by the controller's, hence the lock."""
 
     def __init__(self, window_s: float = 30.0) -> None:
         self.window_s = window_s
         self.ttft: deque[tuple[float, float]] = deque()
         self.tpot: deque[tuple[float, float]] = deque()
+        self._lock = threading.Lock()
 
     def observe(self, now: float, ttft_s: float | None, tpot_s: float | None) -> None:
-        if ttft_s is not None:
-            self.ttft.append((now, ttft_s))
-        if tpot_s is not None:
-            self.tpot.append((now, tpot_s))
+        with self._lock:
+            if ttft_s is not None:
+                self.ttft.append((now, ttft_s))
+            if tpot_s is not None:
+                self.tpot.append((now, tpot_s))
 
     def percentile(self, which: str, now: float, p: float) -> float | None:
         samples = self.ttft if which == "ttft" else self.tpot
-        while samples and samples[0][0] < now - self.window_s:
-            samples.popleft()
-        if not samples:
+        with self._lock:
+            while samples and samples[0][0] < now - self.window_s:
+                samples.popleft()
+            values = sorted(v for _, v in samples)
+        if not values:
             return None
-        values = sorted(v for _, v in samples)
         return values[min(len(values) - 1, max(0, math.ceil(p / 100 * len(values)) - 1))]
 
 

@@ -128,7 +128,7 @@ class FleetPool:
 
 def observe_steps(fleet: Fleet, latency: LatencyWindow, clock: Callable[[], float] = time.monotonic) -> None:
     """Each step that decoded is a TPOT sample for the latency window (the module's docstring says why)."""
-    def on_step(replica_id: str, step: StepStats) -> None:
+    def on_step(step: StepStats) -> None:  # on a replica's receiver thread: it must not raise
         if step.num_decode_tokens:
             latency.observe(clock(), None, step.duration_s)
     fleet.step_listeners.append(on_step)
@@ -139,6 +139,7 @@ class ControllerThread:
 
     def __init__(self, controller: Controller, interval_s: float) -> None:
         self.controller, self.interval_s = controller, interval_s
+        self.before_tick: Callable[[float], None] | None = None  # e.g. the gateway's TTFT histogram into the window
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="autoscaler", daemon=True)
 
@@ -152,6 +153,9 @@ class ControllerThread:
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
-                self.controller.tick(time.monotonic())
+                now = time.monotonic()
+                if self.before_tick is not None:
+                    self.before_tick(now)
+                self.controller.tick(now)
             except Exception:  # noqa: BLE001 - one bad tick must not end autoscaling
                 logger.exception("autoscaler tick failed")

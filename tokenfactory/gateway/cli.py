@@ -137,6 +137,9 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sticky-sessions", action="store_true", help="keep a request's `user` on one replica")
     g.add_argument("--replica-timeout", type=float, default=10.0,
                    help="seconds a replica may stay silent before it counts as hung and is restarted")
+    from tokenfactory.gateway.autoscale import add_autoscaler_args  # docs/autoscaling.md
+
+    add_autoscaler_args(p.add_argument_group("autoscaling"))
 
 
 def _backend_spec(text: str):  # noqa: ANN202 - BackendSpec
@@ -150,6 +153,7 @@ def _backend_spec(text: str):  # noqa: ANN202 - BackendSpec
 
 def fleet_mode(args: argparse.Namespace) -> bool:
     return getattr(args, "replicas", 1) != 1 or getattr(args, "ray", None) is not None or bool(
+        getattr(args, "autoscaler", None)) or bool(
         getattr(args, "backend", []))
 
 
@@ -277,6 +281,7 @@ class Started:
     banner: list[str]  # "  key  value" lines: model, device, KV (one engine) or replicas (a fleet)
     power: str
     prices: str
+    autoscaling: Any = None  # gateway/autoscale.py's Autoscaling, with --autoscaler
 
 
 def start_engine(args: argparse.Namespace) -> Started:
@@ -333,13 +338,18 @@ def start_fleet(args: argparse.Namespace) -> Started:
     fleet = Fleet(name, replicas + backends, make_router(args.router, args.sticky_sessions))
     fleet.step_listeners.append(accounting.meter.on_step)
     fleet.start()
+    from tokenfactory.gateway.autoscale import describe, start_autoscaler
+
+    autoscaling = start_autoscaler(args, fleet, config, power_model)
     banner = [f"  model   {model_path}", f"  fleet   {len(fleet.replicas)} replicas, router {fleet.router.name}"]
+    if autoscaling is not None:
+        banner.append(f"  scaling {describe(autoscaling)}")
     for r in fleet.replicas.values():
         facts = getattr(r.client, "facts", {})
         where = f"pid {facts['pid']}" if "pid" in facts else getattr(r.client, "url", "")
         banner.append(f"    {r.replica_id:4} {r.kind:8} {r.device:6} {where}; routing watts {r.idle_watts:.0f} idle / "
                       f"{r.busy_watts:.0f} busy")
-    return Started(fleet, accounting, name, banner, power, prices)
+    return Started(fleet, accounting, name, banner, power, prices, autoscaling)
 
 
 def model_info(config, loaded):  # noqa: ANN001, ANN201 - ModelInfo of a model loaded here (a backends-only fleet)
@@ -370,6 +380,8 @@ def serve(args: argparse.Namespace) -> int:
         accounting.meter.energy_listeners.append(lambda joules: client.send(ChargeEnergy(joules)))
 
     def shutdown() -> None:  # after uvicorn drained the requests and the app its pending ledger rows
+        if started.autoscaling is not None:  # no replica starts or stops while the fleet shuts down
+            started.autoscaling.stop()
         client.shutdown()
         tenancy.shutdown()
         accounting.meter.close()
@@ -382,6 +394,10 @@ def serve(args: argparse.Namespace) -> int:
                                                   prices_path=args.prices))
     tenancy, auth_line = build_tenancy(args, client, accounting)
     app = build_app(client, settings, accounting, on_shutdown=shutdown, tenancy=tenancy)
+    if started.autoscaling is not None:  # GET /fleet/autoscaler, its /metrics, the TTFT feed
+        from tokenfactory.gateway.autoscale import install_autoscaler_routes
+
+        install_autoscaler_routes(app, started.autoscaling, app.state.metrics.registry, app.state.metrics.ttft, name)
     print("\n".join([f"tokenfactory serving {name}", *started.banner,
                      f"  power   {started.power}",
                      f"  prices  {started.prices}",
