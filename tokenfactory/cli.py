@@ -16,6 +16,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "tokenfactory.tenants.cli",  # tenants add|list|update|remove, keys create|list|revoke
     "tokenfactory.quality.cli",  # quantize, eval
     "tokenfactory.gateway.batch_cli",  # batch run
+    "tokenfactory.fleet.cli",  # simulate, fleet status
 )
 
 
