@@ -26,10 +26,10 @@ def stats(**kw) -> EngineStats:
     return EngineStats(**(base | kw))
 
 
-def totals(joules: float, busy_s: float, idle_s: float) -> MeterTotals:
+def totals(joules: float, busy_s: float, idle_s: float, watts: float | None = None) -> MeterTotals:
     return MeterTotals(source="constant", scope="machine", energy_joules_by_source={"constant": joules},
                        energy_joules_by_component={}, attributed_joules=0.0, idle_joules=0.0,
-                       unattributed_joules=0.0, unsettled_joules=0.0, current_watts=None,
+                       unattributed_joules=0.0, unsettled_joules=0.0, current_watts=watts,
                        busy_device_seconds=busy_s, idle_device_seconds=idle_s, num_requests_finished=0,
                        num_output_tokens=0, joules_per_output_token=None, cost_device_usd=0.0, cost_energy_usd=0.0,
                        cost_usd=0.0, idle_cost_usd=0.0, energy_overhead_factor=1.0)
@@ -43,7 +43,7 @@ def test_a_point_is_rates_over_the_interval_by_hand():
     b = Sample(1002.0, 12.0, (Replica("local", stats(
         num_prompt_tokens_total=300, num_generation_tokens_total=100, num_free_kv_blocks=75, num_waiting=3,
         num_prefix_queries=200, num_prefix_hits=50, num_preemptions=2), facts),),
-        totals(900.0, 2.5, 1.5), ((0.1, 4.0), (1.0, 10.0), (math.inf, 10.0)), ())
+        totals(900.0, 2.5, 1.5, watts=200.0), ((0.1, 4.0), (1.0, 10.0), (math.inf, 10.0)), ())
     p = make_point(a, b, prices)
     assert p["t"] == 1002.0 and p["tokens_in_s"] == 150.0 and p["tokens_out_s"] == 50.0
     assert p["watts"] == 200.0 and p["joules_per_token"] == 4.0 and p["energy_source"] == "constant"
@@ -195,3 +195,41 @@ def test_busy_share_is_taken_over_the_window_and_capped():
     p = make_point(start, cur, load_prices())
     assert p["busy"] == pytest.approx(0.4) and p["idle"] == pytest.approx(0.6)
     assert make_point(prev, cur, load_prices())["busy"] == 1.0
+
+
+@pytest.mark.slow
+def test_the_real_server_dashboard_utilisation_and_statement(tmp_path):
+    """`tokenfactory serve` on the bundled model: live points with the engine's memory facts, the device
+    series in /metrics, and after a clean stop the hourly rollup and the statement from the same ledger."""
+    import datetime as dt
+    import signal
+    import subprocess
+    import sys
+
+    from tests.server_util import start_server
+
+    server = start_server(tmp_path, "--power-source", "constant", "--power-watts", "40")
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        with httpx.stream("GET", server.url + "/dashboard/events", timeout=60) as r:
+            lines = (json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: "))
+            assert next(lines)["type"] == "history"
+            for _ in range(2):
+                client.completions.create(model=client.models.list().data[0].id, prompt="Tokens are made by",
+                                          max_tokens=16)
+            point = next(e["point"] for e in lines if e["point"]["tokens_out_s"] > 0)
+        assert point["weight_bytes"] > 50e6 and point["kv_free_bytes"] > 0  # AsyncEngine.facts
+        assert point["watts"] == pytest.approx(40.0) and point["energy_source"] == "constant"
+        assert server.metric("tokenfactory:device_tokens_total") > 0
+        assert server.metric("tokenfactory:device_busy_seconds_total") > 0
+    finally:
+        assert server.stop() in (0, -signal.SIGTERM)  # uvicorn re-raises the SIGTERM it finished on
+    usage = subprocess.run([sys.executable, "-m", "tokenfactory.cli", "usage", "--utilisation", "--data-dir",
+                            str(server.data_dir)], capture_output=True, text=True, timeout=120)
+    assert usage.returncode == 0 and usage.stdout.startswith("cpu: ") and "(constant)" in usage.stdout, usage
+    month = dt.datetime.now(dt.UTC).strftime("%Y-%m")
+    invoice = subprocess.run([sys.executable, "-m", "tokenfactory.cli", "usage", "--invoice", "--tenant", "anonymous",
+                              "--month", month, "--out", str(tmp_path), "--format", "json", "--data-dir",
+                              str(server.data_dir)], capture_output=True, text=True, timeout=120)
+    summary = json.loads(invoice.stdout)
+    assert summary["requests"] == 2 and summary["completion_tokens"] == 32 and summary["energy_joules"] > 0

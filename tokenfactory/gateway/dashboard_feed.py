@@ -7,8 +7,8 @@ samples before it (10 s at a point a second), so rates are counter deltas over a
 Prometheus' rate(x[10s]) (a per-second rate of prefill-sized steps would be all spikes):
 
     tokens_in_s, tokens_out_s   Δ prompt tokens / Δt, Δ generated tokens / Δt                   [token/s]
-    watts                       Δ energy / Δt from the meter's source (null when it cannot measure) [W]
-    joules_per_token            Δ energy / Δ generated tokens (idle included: what a token cost)  [J/token]
+    watts                       the meter's trailing average power (null when it cannot measure)  [W]
+    joules_per_token            watts · Δt / Δ generated tokens (idle included: what a token cost) [J/token]
     usd_per_mtok                (usd_per_hour / 3600 · devices + watts · psu · pue / 3.6e6 · usd_per_kwh)
                                 / tokens_out_s · 1e6: the machine's running cost per million tokens out
     busy, idle                  Δ busy device-seconds / (Δt · devices), capped at 1 (a step's time
@@ -128,15 +128,16 @@ def replica_point(prev: Replica | None, cur: Replica, dt: float) -> dict[str, An
 def meter_point(prev: MeterTotals, cur: MeterTotals, dt: float, tokens_out: float, prices: Prices,
                 num_devices: int) -> dict[str, Any]:
     """Power, J/token, $/Mtok and busy/idle shares over the window (module docstring)."""
-    prev_j, cur_j = sum(prev.energy_joules_by_source.values()), sum(cur.energy_joules_by_source.values())
-    measured = bool(cur.energy_joules_by_source) and bool(prev.energy_joules_by_source)
-    watts = _rate(cur_j - prev_j, dt) if measured else None
+    # The meter's own average over its readings' timestamps: counters read at steps and ticks, not at this
+    # sample's time, would skew a short window's Δenergy / Δt by up to a tick.
+    watts = cur.current_watts
+    measured = watts is not None and bool(cur.energy_joules_by_source)
     usd_per_s = prices.device.usd_per_hour / 3600.0 * num_devices + (
         prices.energy_cost_usd(watts) if watts is not None else 0.0)
     tokens_out_s = _rate(tokens_out, dt)
     return {
         "watts": watts, "energy_source": cur.source if measured else None,
-        "joules_per_token": _ratio(cur_j - prev_j, tokens_out) if measured else None,
+        "joules_per_token": _ratio(watts * dt, tokens_out) if measured else None,
         "usd_per_mtok": usd_per_s / tokens_out_s * 1e6 if tokens_out_s > 0 else None,
         **busy_idle(prev, cur, dt * num_devices),
     }
