@@ -233,3 +233,32 @@ def test_the_real_server_dashboard_utilisation_and_statement(tmp_path):
                               str(server.data_dir)], capture_output=True, text=True, timeout=120)
     summary = json.loads(invoice.stdout)
     assert summary["requests"] == 2 and summary["completion_tokens"] == 32 and summary["energy_joules"] > 0
+
+
+def test_the_fleet_gateway_shows_one_view_per_replica(tmp_path):
+    """The gateway over the fleet's client (fleet/fleet.py) with two replicas: each point lists both, with
+    their own counts, and the totals are their sums."""
+    from tokenfactory.fleet.fleet import Fleet
+    from tokenfactory.fleet.fleet import Replica as FleetReplica
+
+    fleet = Fleet("fake-tiny", [FleetReplica("r0", FakeEngineClient(step_s=0.002), "local"),
+                                FleetReplica("r1", FakeEngineClient(step_s=0.002), "local")])
+    gw = start_gateway(fleet, tmp_path)
+    try:
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        for i in range(6):
+            client.completions.create(model="fake-tiny", prompt=f"spread {i}", max_tokens=12)
+        points = []
+        with httpx.stream("GET", gw.url + "/dashboard/events", timeout=20) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    event = json.loads(line[6:])
+                    points += event["points"] if event["type"] == "history" else [event["point"]]
+                    if any(p["tokens_out_s"] > 0 for p in points) and len(points) >= 3:
+                        break
+    finally:
+        gw.stop()
+    busy = next(p for p in points if p["tokens_out_s"] > 0)
+    assert [r["name"] for r in busy["replicas"]] == ["r0", "r1"]
+    assert busy["tokens_out_s"] == pytest.approx(sum(r["tokens_out_s"] for r in busy["replicas"]))
+    assert sum(r["tokens_out_s"] > 0 for r in busy["replicas"]) >= 1
