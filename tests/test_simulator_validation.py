@@ -1,0 +1,127 @@
+"""The simulator against the real fleet: one Poisson trace through the real gateway over 2 local process replicas
+of the bundled model (official client, streaming, over HTTP), and through the simulator with the same router;
+TTFT and TPOT p50 and tokens/s agree within 20%.
+
+The simulated replica's step cost is calibrated on a *different* trace first (a lighter one through the same
+fleet): seconds = base + per_seq · B + per_prefill_token · P, least squares over the replicas' own steps (the
+StepStats the meter hears). The planner's first-principles model is for accelerators it has a catalog entry
+for; on this CPU the calibrated line is the replica model, which is what `--calibrate` is for.
+
+Run as a script for the closing note's figures: `.venv/bin/python -m tests.test_simulator_validation`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+
+from tests.server_util import start_gateway
+from tokenfactory.fleet.sim_model import LinearCost, ReplicaSpec
+from tokenfactory.fleet.simulator import SimConfig, Simulation
+from tokenfactory.fleet.traces import SimRequest, poisson
+from tokenfactory.types import StepStats
+
+pytestmark = pytest.mark.slow
+
+PROMPT, OUTPUT = 64, 32
+
+
+@dataclass
+class Measured:
+    ttft: list[float]
+    tpot: list[float]
+    tokens: int
+    seconds: float
+
+    def figures(self) -> dict[str, float]:
+        return {"ttft_p50_s": float(np.median(self.ttft)), "tpot_p50_s": float(np.median(self.tpot)),
+                "tokens_per_s": self.tokens / self.seconds}
+
+
+async def replay(url: str, trace: list[SimRequest], vocab: int, seed: int) -> Measured:
+    """Each request sent at its arrival time: distinct random prompt ids (no prefix-cache hits), ignore_eos so
+    it generates exactly its output tokens."""
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    rng = random.Random(seed)
+    ttft, tpot = [], []
+    t0 = time.perf_counter()
+
+    async def one(req: SimRequest) -> None:
+        await asyncio.sleep(max(0.0, t0 + req.arrival_s - time.perf_counter()))
+        prompt = [rng.randrange(100, vocab - 100) for _ in range(req.prompt_tokens)]
+        sent = time.perf_counter()
+        stream = await client.completions.create(model="fake-tiny", prompt=prompt, max_tokens=req.output_tokens,
+                                                 temperature=0, stream=True, extra_body={"ignore_eos": True})
+        first = last = None
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                last = time.perf_counter()
+                first = first or last
+        assert first is not None and last is not None
+        ttft.append(first - sent)
+        tpot.append((last - first) / (req.output_tokens - 1))
+    await asyncio.gather(*[one(r) for r in trace])
+    await client.close()
+    return Measured(ttft, tpot, sum(r.output_tokens for r in trace), time.perf_counter() - t0)
+
+
+def fit_step_cost(steps: list[StepStats]) -> LinearCost:
+    """seconds = base + per_seq · B + per_prefill_token · P over the steps, by least squares (non-negative)."""
+    x = np.array([[1.0, len({w.request_id for w in s.work}), s.num_prefill_tokens] for s in steps])
+    y = np.array([s.duration_s for s in steps])
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    base, per_seq, per_prefill = (max(float(c), 0.0) for c in coef)
+    return LinearCost(base, per_seq, per_prefill, busy_w=100.0)
+
+
+def run_validation(tmp: Path) -> dict[str, dict[str, float]]:
+    from tokenfactory.config import EngineConfig
+    from tokenfactory.fleet.fleet import Fleet
+    from tokenfactory.fleet.launch import cpu_power, start_local_replicas
+
+    config = EngineConfig(max_num_seqs=16, max_num_batched_tokens=512, kv_cache_memory=256 * 2**20,
+                          max_model_len=1024)
+    threads = max(1, (os.cpu_count() or 2) // 2)
+    replicas = start_local_replicas(config, 2, None, False, threads, 30.0, cpu_power(2))
+    fleet = Fleet("fake-tiny", replicas)
+    steps: list[StepStats] = []
+    fleet.step_listeners.append(steps.append)
+    gateway = start_gateway(fleet, tmp, timeout=120)
+    try:
+        vocab = fleet.info.vocab_size
+        asyncio.run(replay(gateway.url, poisson(1.0, 20, PROMPT, OUTPUT, seed=7), vocab, 7))  # warm-up
+        steps.clear()
+        asyncio.run(replay(gateway.url, poisson(1.5, 60, PROMPT, OUTPUT, seed=1), vocab, 1))  # calibration
+        cost = fit_step_cost(steps)
+        trace = poisson(3.0, 60, PROMPT, OUTPUT, seed=2)
+        real = asyncio.run(replay(gateway.url, trace, vocab, 2)).figures()
+    finally:
+        gateway.stop()
+    spec = ReplicaSpec("cpu", "cpu", cost, 10.0, 100.0, max_num_seqs=config.max_num_seqs,
+                       max_num_batched_tokens=config.max_num_batched_tokens)
+    res = Simulation(SimConfig([spec], replicas=2), trace).run().summary()
+    sim = {"ttft_p50_s": res["ttft_p50_s"], "tpot_p50_s": res["tpot_p50_s"], "tokens_per_s": res["output_tokens_per_s"]}
+    return {"real": real, "sim": sim, "cost": cost.__dict__}
+
+
+def test_simulator_matches_the_real_fleet_within_20_percent(tmp_path: Path) -> None:
+    out = run_validation(tmp_path)
+    for key in ("ttft_p50_s", "tpot_p50_s", "tokens_per_s"):
+        assert out["sim"][key] == pytest.approx(out["real"][key], rel=0.2), (key, out)
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        result = run_validation(Path(d))
+    for k, v in result.items():
+        print(k, {n: round(x, 4) for n, x in v.items()})
