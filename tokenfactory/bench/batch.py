@@ -61,8 +61,10 @@ def interactive(args: argparse.Namespace, tokenizer: Any) -> dict[str, Any]:  # 
 
     spec = bench_spec(args, args.base_url, "interactive", args.concurrency, None)
     result = run_one(args, spec, tokenizer)
-    return {"status": result.status, **{k: result.figures.get(k) for k in (
+    figures = {"status": result.status, **{k: result.figures.get(k) for k in (
         "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "output_throughput", "completed")}}
+    print(f"interactive: {json.dumps(figures)}", file=sys.stderr, flush=True)  # each phase as it ends
+    return figures
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
