@@ -40,9 +40,10 @@ P = "tokenfactory:"
 def add_autoscaler_args(g: argparse._ArgumentGroup) -> None:
     from tokenfactory.fleet.autoscaler import AUTOSCALERS
 
-    g.add_argument("--autoscaler", choices=sorted(AUTOSCALERS),
+    g.add_argument("--autoscaler", choices=[*sorted(AUTOSCALERS), "auto"], nargs="?", const="auto",
                    help="follow demand between --min-replicas and --max-replicas (local process replicas): slo "
-                        "keeps headroom within the SLO, energy packs replicas and stops the rest")
+                        "keeps headroom within the SLO, energy packs replicas and stops the rest; alone (auto): "
+                        "the --profile's goal, else slo")
     g.add_argument("--min-replicas", type=int, default=1, help="autoscaler floor (>= 1 for a served fleet)")
     g.add_argument("--max-replicas", type=int, default=4, help="autoscaler ceiling")
     g.add_argument("--scale-up-delay", type=float, default=10.0, help="seconds a scale-up must be wanted")
@@ -76,6 +77,8 @@ def start_autoscaler(args: argparse.Namespace, fleet: Fleet, config: EngineConfi
     from tokenfactory.fleet.process import start_process_replica
     from tokenfactory.fleet.scaling_pool import ControllerThread, FleetPool, observe_steps
 
+    if args.autoscaler == "auto":  # no --profile chose it
+        args.autoscaler = "slo"
     if args.ray is not None:
         raise ValueError("--autoscaler starts local process replicas; it does not yet place Ray actors")
     scaling = AutoscalerConfig(max(args.min_replicas, 1), args.max_replicas, SLO(args.ttft_slo, args.tpot_slo),

@@ -115,6 +115,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-lines-in-flight", type=int, default=32,
                    help="Batch API lines in the engine at once, all jobs together (docs/batch.md)")
     add_fleet_args(p)
+    from tokenfactory.gateway.profile import add_profile_args  # serve --profile (planner/profiles.py)
+
+    add_profile_args(p)
     p.set_defaults(func=serve)
 
 
@@ -371,6 +374,9 @@ def serve(args: argparse.Namespace) -> int:
 
     try:
         limits = limit_settings_from_args(args)
+        from tokenfactory.gateway.profile import apply_profile
+
+        profile_line = apply_profile(args, getattr(args, "profile_defaults", {}))
         started = start_fleet(args) if fleet_mode(args) else start_engine(args)
     except (ValueError, RuntimeError, FileNotFoundError, OSError, SQLAlchemyError) as e:
         print(f"tokenfactory serve: cannot start: {e}", file=sys.stderr)
@@ -399,6 +405,7 @@ def serve(args: argparse.Namespace) -> int:
 
         install_autoscaler_routes(app, started.autoscaling, app.state.metrics.registry, app.state.metrics.ttft, name)
     print("\n".join([f"tokenfactory serving {name}", *started.banner,
+                     *([f"  profile {profile_line}"] if profile_line else []),
                      f"  power   {started.power}",
                      f"  prices  {started.prices}",
                      f"  ledger  {display_url(accounting.ledger.url)}",

@@ -70,6 +70,9 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     out.add_argument("--plot", metavar="DIR", help="write tokens/s and J/token PNG charts into DIR")
     out.add_argument("--list-devices", action="store_true", help="list catalog devices and exit")
     out.add_argument("--list-models", action="store_true", help="list catalog models and exit")
+    out.add_argument("--profile", choices=["auto", "latency", "throughput", "efficiency"],
+                     help="print a serving profile (serve --profile): auto chooses one for the stated workload "
+                          "(--tpot-slo, --tokens-per-day) and says why")
 
 
 def _need(value: Any, flag: str, hint: str) -> Any:
@@ -114,8 +117,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if calibration is not None and args.calibrate_out:
         with open(args.calibrate_out, "w") as f:
             f.write(calibration.to_toml(device.name, args.calibrate))
-    _print_plan(plan, calibration, plots, args)
+    profile = _profile(args, plan) if args.profile else None
+    _print_plan(plan, calibration, plots, args, profile)
     return 0
+
+
+def _profile(args: argparse.Namespace, plan: Any) -> Any:
+    from tokenfactory.planner.perf import StepModel
+    from tokenfactory.planner.profiles import choose_profile, make_profile
+
+    req = plan.request
+    steps = StepModel(req.hardware, req.model, plan.weights, plan.kv_dtype_bytes)
+    kv_seqs = plan.memory.max_seqs(req.workload.prompt_tokens + req.workload.output_tokens)
+    if args.profile != "auto":
+        return make_profile(args.profile, steps, req.workload, kv_seqs, "as asked")
+    demand = args.tokens_per_day / (args.window_hours * 3600) if args.tokens_per_day is not None else None
+    return choose_profile(steps, req.workload, kv_seqs, args.tpot_slo, demand)
 
 
 def _make_plan(args: argparse.Namespace, catalog: Any, model: Any, hw: Any, precision: str | None) -> Any:
@@ -155,7 +172,8 @@ def _make_plan(args: argparse.Namespace, catalog: Any, model: Any, hw: Any, prec
     return make_plan(request, catalog)
 
 
-def _print_plan(plan: Any, calibration: Any, plots: Sequence[str], args: argparse.Namespace) -> None:
+def _print_plan(plan: Any, calibration: Any, plots: Sequence[str], args: argparse.Namespace,
+                profile: Any = None) -> None:
     from tokenfactory.planner.report import plan_to_dict, render_plan
 
     if args.json:
@@ -163,11 +181,15 @@ def _print_plan(plan: Any, calibration: Any, plots: Sequence[str], args: argpars
         if calibration is not None:
             out["calibration"] = _calibration_dict(calibration)
         out["plots"] = list(plots)
+        if profile is not None:
+            out["profile"] = profile.__dict__
         print(json.dumps(out, indent=2, default=str))
         return
     if calibration is not None:
         print(_calibration_text(calibration, args))
     print(render_plan(plan), end="")
+    if profile is not None:
+        print(f"Profile {profile.describe()}\n  because {profile.reason}")
     for path in plots:
         print(f"wrote {path}")
 
