@@ -78,10 +78,23 @@ def free_memory_bytes(device: torch.device) -> int:
 
 
 def kv_budget_bytes(budget: int | float | None, device: torch.device) -> int:
-    """The KV cache's bytes: given, a fraction of free memory, or the device's default."""
+    """The KV cache's bytes: given, a fraction of free memory, or the device's default. The engine asks once
+    its weights are placed, so a share is of what they left."""
     if isinstance(budget, int):
         return budget
-    free = free_memory_bytes(device)
+    return _share_of(budget, device, free_memory_bytes(device))
+
+
+def kv_budget_after_weights(budget: int | float | None, device: torch.device, free_bytes: int,
+                            weight_bytes: int) -> int:
+    """What `kv_budget_bytes` will say once `weight_bytes` of weights have landed in `free_bytes` of free
+    memory: the start-up check's figure, before anything is loaded."""
+    if isinstance(budget, int):
+        return budget
+    return _share_of(budget, device, max(free_bytes - weight_bytes, 0))
+
+
+def _share_of(budget: float | None, device: torch.device, free: int) -> int:
     if isinstance(budget, float):
         return int(free * budget)
     default = int(free * DEFAULT_FRACTION[device.type])

@@ -8,21 +8,23 @@ computed at every position of such a chunk and the sampler verifies them).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from tokenfactory.config import ModelConfig
+from tokenfactory.engine.placement import place_model
 from tokenfactory.engine.sampler import SampledToken, Sampler, SamplingBatch
 from tokenfactory.engine.scheduler import SchedulerOutput
 from tokenfactory.engine.sequence import Draft, Sequence
 from tokenfactory.layers.attention import AttentionMetadata, PrefillSpan
 from tokenfactory.layers.cpu_kernels import paged_decode_kernel
 from tokenfactory.layers.kv_quant import SCALE_DTYPE, KVFormat
-from tokenfactory.layers.quant import QuantOptions, apply_quantization
+from tokenfactory.layers.quant import QuantOptions
 from tokenfactory.layers.quant_formats import RawGGUFTensors
 from tokenfactory.layers.rotary import Rotary
-from tokenfactory.models.llama import MODEL_REGISTRY, LlamaForCausalLM
+from tokenfactory.models.llama import LlamaForCausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -58,7 +60,7 @@ def allocate_kv_pool(shape: tuple[int, ...], num_layers: int, fmt: KVFormat,
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor], *, device: torch.device,
+    def __init__(self, model_config: ModelConfig, weights: Mapping[str, torch.Tensor], *, device: torch.device,
                  dtype: torch.dtype, num_blocks: int | None, block_size: int, max_model_len: int | None,
                  sampler: Sampler, quantization: str = "none", raw_gguf: RawGGUFTensors | None = None,
                  quantized: dict | None = None, quant_options: QuantOptions | None = None,
@@ -73,15 +75,11 @@ class ModelRunner:
         self.max_threads = torch.get_num_threads()
         self.num_threads = self.max_threads
         self.single_thread_step_tokens = single_thread_step_tokens
-        model_cls = MODEL_REGISTRY[model_config.architecture]
-        with torch.device("meta"):
-            model = model_cls(model_config, max_positions=1)
-        model = model.to_empty(device="cpu")
-        model.load_hf_weights(weights)
-        model = model.to(device=device, dtype=dtype).eval()
-        self.quant_summary = apply_quantization(model, quantization, raw_gguf=raw_gguf, dtype=dtype, device=device,
-                                                quantized=quantized, options=quant_options)
-        self.model: LlamaForCausalLM = model
+        # Layer by layer, quantized as each lands: the full-precision model never sits beside the quantized one.
+        self.model: LlamaForCausalLM
+        self.model, self.quant_summary = place_model(model_config, weights, device=device, dtype=dtype,
+                                                     quantization=quantization, raw_gguf=raw_gguf,
+                                                     quantized=quantized, options=quant_options)
         if device.type == "cpu":
             paged_decode_kernel()  # build (or load) it now, at start-up, not in the first step
         self.kv_caches: list[tuple[torch.Tensor, ...]] = []

@@ -48,6 +48,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "present: the default, right where compute is short) or seats (only the seats it needs)")
     p.add_argument("--quantization", default="auto",
                    help="weights: auto (a GGUF keeps its own quantization), none, int8, int4, int4-g64, ...")
+    p.add_argument("--quantization-dense", default="copy", choices=["copy", "on-the-fly"],
+                   help="quantized layers' large steps: copy (keep a dequantized copy: fast batches, more memory) "
+                        "or on-the-fly (codes and scales only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--single-thread-step-tokens", type=int, default=0,
                    help="run steps of at most this many tokens on one CPU thread (0: off, the default: with the "
@@ -75,6 +78,7 @@ def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201 - EngineC
                         batch_min_share=getattr(args, "batch_share", 0.1),
                         batch_yield=getattr(args, "batch_yield", "share"),
                         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+                        quantization_dense=getattr(args, "quantization_dense", "copy"),
                         quantization=args.quantization,
                         single_thread_step_tokens=getattr(args, "single_thread_step_tokens", 0),
                         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
@@ -222,19 +226,28 @@ def make_engine(config, loaded, step_listeners: Sequence[Callable], threads: int
 
 def load_checked(args: argparse.Namespace):  # noqa: ANN201 - (EngineConfig, LoadedModel)
     """The engine's config and its model, loaded and checked to fit (the doctor's pre-flight)."""
-    from tokenfactory.engine.memory import free_memory_bytes, kv_budget_bytes, resolve_device, resolve_dtype
+    import dataclasses
+
+    from tokenfactory.engine.memory import free_memory_bytes, kv_budget_after_weights, resolve_device, resolve_dtype
+    from tokenfactory.engine.placement import planned_weight_bytes
     from tokenfactory.models.loader import load_model
     from tokenfactory.planner.doctor import preflight, raise_on_errors
 
     config = engine_config_from_args(args)
     loaded = load_model(config.model)
     device = resolve_device(config.device)
-    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[str(resolve_dtype(config.dtype, device))[6:]]
+    dtype = resolve_dtype(config.dtype, device)
+    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[str(dtype)[6:]]
+    # The bytes the weights will take once placed and quantized (--quantization, its dense copy counted), and
+    # the KV budget as the engine will size it: a share of what is free after them (#18).
+    weights = planned_weight_bytes(loaded, config, device, dtype)
+    lean = planned_weight_bytes(loaded, dataclasses.replace(config, quantization_dense="on-the-fly"), device, dtype)
     free = free_memory_bytes(device)
     findings = preflight(loaded.config, device=str(device), dtype_bytes=dtype_bytes,
                          max_model_len=config.max_model_len or loaded.config.max_position_embeddings,
-                         kv_cache_bytes=kv_budget_bytes(config.kv_cache_memory, device), free_memory_bytes=free,
-                         max_num_seqs=config.max_num_seqs)
+                         kv_cache_bytes=kv_budget_after_weights(config.kv_cache_memory, device, free, weights),
+                         free_memory_bytes=free, max_num_seqs=config.max_num_seqs, weights_bytes=weights,
+                         kv_cache_dtype=config.kv_cache_dtype, weights_bytes_without_copy=lean)
     for finding in findings:
         if finding.severity != "error":
             logger.info("pre-flight: %s", finding.message)

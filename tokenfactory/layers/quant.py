@@ -26,7 +26,7 @@ dispatches between them change together; the formats, the file and the CLI live 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -121,10 +121,13 @@ def source_weights(raw_gguf: RawGGUFTensors | None,
 
 
 def plan_quantization(model: nn.Module, scheme: Scheme, sources: Mapping[str, QuantizedWeight],
-                      options: QuantOptions) -> dict[str, QuantizedWeight]:
-    """Module path -> the weight it will hold. Raises ValueError (naming the layer) before anything changes."""
+                      options: QuantOptions, paths: Collection[str] | None = None) -> dict[str, QuantizedWeight]:
+    """Module path -> the weight it will hold (of `paths` only, when given). Raises ValueError (naming the layer)
+    before anything changes."""
     plan: dict[str, QuantizedWeight] = {}
     for path, names in llama_linear_sources(model, sources).items():
+        if paths is not None and path not in paths:
+            continue
         if path == "lm_head" and not options.quantize_lm_head:
             continue
         parts = [sources.get(n) for n in names]
@@ -151,16 +154,21 @@ class QuantSummary:
 
 def apply_quantization(model: nn.Module, scheme: str, *, raw_gguf: RawGGUFTensors | None, dtype: torch.dtype,
                        device: torch.device, quantized: Mapping[str, QuantizedWeight] | None = None,
-                       options: QuantOptions | None = None) -> QuantSummary:
+                       options: QuantOptions | None = None, paths: Collection[str] | None = None,
+                       sources: Mapping[str, QuantizedWeight] | None = None) -> QuantSummary:
     """Swap the model's linear layers in place for quantized ones (no-op for "none").
 
     `raw_gguf`: the GGUF's quantized tensors as stored; `quantized`: weights from a file written by
-    `tokenfactory quantize` (LoadedModel.quantized). Call after the weights are on `device` in `dtype`."""
+    `tokenfactory quantize` (LoadedModel.quantized); `sources`: both already mapped (`source_weights`), when
+    the caller quantizes layer by layer. `paths`: only these linear layers (a loader placing one layer at a
+    time). Call after those layers' weights are on `device` in `dtype`."""
     policy = get_scheme(scheme)
     options = options or QuantOptions()
     if not policy.keeps_source and policy.quantize is None:
         return QuantSummary(policy.name)  # "none"
-    plan = plan_quantization(model, policy, source_weights(raw_gguf, quantized), options)
+    if sources is None:
+        sources = source_weights(raw_gguf, quantized)
+    plan = plan_quantization(model, policy, sources, options, paths)
     summary: dict[str, str] = {}
     for path, weight in plan.items():
         old = model.get_submodule(path)

@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import tokenizers
@@ -35,7 +35,8 @@ _IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def load_hf_folder(folder: Path) -> LoadedModel:
-    """Config, tokenizer and float32 weights of a Hugging Face folder; shapes are checked before loading."""
+    """Config, tokenizer and float32 weights of a Hugging Face folder (read lazily, tensor by tensor); shapes
+    are checked up front."""
     config_json = read_json(folder / "config.json")
     tokenizer = hf_tokenizer(folder, config_json)
     config = hf_model_config(folder, config_json, tokenizer)
@@ -48,11 +49,33 @@ def load_hf_folder(folder: Path) -> LoadedModel:
     if config.tie_word_embeddings:
         name_to_shape.pop("lm_head.weight", None)  # some tied checkpoints store the copy anyway
     check_weight_shapes(name_to_shape, config, folder)
-    weights: dict[str, torch.Tensor] = {}
-    for file, names in _group_by_file({n: name_to_file[n] for n in name_to_shape}).items():
-        with safe_open(file, framework="pt") as f:
-            weights |= {name: f.get_tensor(name).to(torch.float32) for name in names}
+    weights = SafetensorsWeights({n: name_to_file[n] for n in name_to_shape})
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, path=folder, format="hf")
+
+
+class SafetensorsWeights(Mapping[str, torch.Tensor]):
+    """HF name -> its float32 tensor, read from the safetensors file when asked for and not kept.
+
+    Why lazy: the engine places (and quantizes) the model one layer at a time (engine/placement.py), so a
+    model that only fits quantized must never be held whole in float32 first. Each access opens the file
+    (its header is small) and copies one tensor out; a caller that wants a tensor twice reads it twice."""
+
+    def __init__(self, name_to_file: Mapping[str, Path]) -> None:
+        self._name_to_file = dict(name_to_file)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        file = self._name_to_file[name]
+        with safe_open(file, framework="pt") as f:
+            return f.get_tensor(name).to(torch.float32)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._name_to_file)
+
+    def __len__(self) -> int:
+        return len(self._name_to_file)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._name_to_file
 
 
 def hf_model_config(folder: Path, config_json: Mapping[str, object], tokenizer: Tokenizer) -> ModelConfig:

@@ -8,6 +8,8 @@ the model knowing.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -78,32 +80,46 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)).float()
 
     @torch.no_grad()
-    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
+    def load_hf_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Copy weights named as in Hugging Face checkpoints, fusing q/k/v and gate/up."""
-        def take(name: str) -> torch.Tensor:
-            if name not in weights:
-                raise ValueError(f"the checkpoint has no tensor {name!r}, which a "
-                                 f"{self.cfg.architecture} model with {self.cfg.num_layers} layers needs")
-            return weights[name]
+        self.load_outer_weights(weights)
+        for i in range(len(self.layers)):
+            self.load_layer_weights(i, weights)
 
-        self.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
+    def _take(self, weights: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+        if name not in weights:
+            raise ValueError(f"the checkpoint has no tensor {name!r}, which a "
+                             f"{self.cfg.architecture} model with {self.cfg.num_layers} layers needs")
+        return weights[name]
+
+    @torch.no_grad()
+    def load_outer_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """The embedding, the final norm and the LM head (re-tied to the embedding when tied)."""
+        self.embed_tokens.weight.copy_(self._take(weights, "model.embed_tokens.weight"))
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight  # re-tie: moving off the meta device unties
         else:
-            self.lm_head.weight.copy_(take("lm_head.weight"))
-        self.norm.copy_(take("model.norm.weight"))
-        for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            layer.input_norm.copy_(take(p + "input_layernorm.weight"))
-            layer.post_norm.copy_(take(p + "post_attention_layernorm.weight"))
-            a = p + "self_attn."
-            layer.qkv_proj.weight.copy_(torch.cat([take(a + f"{x}_proj.weight") for x in "qkv"]))
-            if self.cfg.attention_bias:
-                layer.qkv_proj.bias.copy_(torch.cat([take(a + f"{x}_proj.bias") for x in "qkv"]))
-            layer.o_proj.weight.copy_(take(a + "o_proj.weight"))
-            m = p + "mlp."
-            layer.gate_up_proj.weight.copy_(torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]))
-            layer.down_proj.weight.copy_(take(m + "down_proj.weight"))
+            self.lm_head.weight.copy_(self._take(weights, "lm_head.weight"))
+        self.norm.copy_(self._take(weights, "model.norm.weight"))
+
+    @torch.no_grad()
+    def load_layer_weights(self, i: int, weights: Mapping[str, torch.Tensor]) -> None:
+        """Decoder layer i's weights (a loader may place and quantize the model one layer at a time)."""
+        def take(name: str) -> torch.Tensor:
+            return self._take(weights, name)
+
+        layer = self.layers[i]
+        p = f"model.layers.{i}."
+        layer.input_norm.copy_(take(p + "input_layernorm.weight"))
+        layer.post_norm.copy_(take(p + "post_attention_layernorm.weight"))
+        a = p + "self_attn."
+        layer.qkv_proj.weight.copy_(torch.cat([take(a + f"{x}_proj.weight") for x in "qkv"]))
+        if self.cfg.attention_bias:
+            layer.qkv_proj.bias.copy_(torch.cat([take(a + f"{x}_proj.bias") for x in "qkv"]))
+        layer.o_proj.weight.copy_(take(a + "o_proj.weight"))
+        m = p + "mlp."
+        layer.gate_up_proj.weight.copy_(torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]))
+        layer.down_proj.weight.copy_(take(m + "down_proj.weight"))
 
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {

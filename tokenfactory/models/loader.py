@@ -38,7 +38,7 @@ class LoadedModel:
     """A model ready for the engine: its shape, float32 CPU weights under Hugging Face names, tokenizer."""
 
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: Mapping[str, torch.Tensor]  # a dict, or read lazily from the files (an HF folder's)
     tokenizer: Tokenizer
     path: Path
     format: str  # "gguf" | "hf" | "quantized"

@@ -67,6 +67,7 @@ class _Ctx:
     max_num_seqs: int
     weights_bytes: int
     kv_cache_dtype: str = "auto"
+    weights_bytes_without_copy: int | None = None  # quantized layers without their dense copy (on-the-fly)
 
     @property
     def kv_dtype_bytes(self) -> int:
@@ -121,7 +122,8 @@ def kv8_bytes_per_token(model: ModelConfig) -> int:
 
 def preflight(model: ModelConfig, *, device: str, dtype_bytes: float, max_model_len: int,
               kv_cache_bytes: int | None, free_memory_bytes: int, max_num_seqs: int,
-              weights_bytes: int | None = None, kv_cache_dtype: str = "auto") -> list[Finding]:
+              weights_bytes: int | None = None, kv_cache_dtype: str = "auto",
+              weights_bytes_without_copy: int | None = None) -> list[Finding]:
     """Everything that stops `model` from serving with these settings (errors), what will hurt
     (warnings), and a summary (info). Pure: the caller measures free memory."""
     for name, value in (("dtype_bytes", dtype_bytes), ("max_model_len", max_model_len),
@@ -132,7 +134,7 @@ def preflight(model: ModelConfig, *, device: str, dtype_bytes: float, max_model_
         raise ValueError("free_memory_bytes and kv_cache_bytes must be >= 0")
     ctx = _Ctx(model, device, dtype_bytes, max_model_len, kv_cache_bytes, free_memory_bytes,
                max_num_seqs, weights_bytes if weights_bytes is not None else int(model.num_params * dtype_bytes),
-               kv_cache_dtype)
+               kv_cache_dtype, weights_bytes_without_copy)
     findings = []
     for check in CHECKS:
         findings.extend(check(ctx))
@@ -163,6 +165,11 @@ def check_weights(ctx: _Ctx) -> list[Finding]:
             options.append(f"{name} ({gib(size)})")
     fix = (f"use {' or '.join(options)} or a larger card" if options
            else "use a card with more memory or split the model across cards")
+    lean = ctx.weights_bytes_without_copy
+    if lean is not None and lean < ctx.weights_bytes:
+        fits = "fits" if lean + ctx.reserve_bytes + one_seq <= ctx.free_memory_bytes else "still too much"
+        fix = (f"the quantized layers keep a dense copy for large steps; --quantization-dense on-the-fly keeps "
+               f"only codes and scales ({gib(lean)}: {fits}; batches run slower), or {fix}")
     reserve = f" plus {gib(ctx.reserve_bytes)} of runtime reserve" if ctx.reserve_bytes else ""
     return [Finding("error", f"The weights need {gib(ctx.weights_bytes)} in {dtype_label(ctx.dtype_bytes)}{reserve} "
                     f"but {gib(ctx.free_memory_bytes)} is free on {ctx.device}: {fix}.",
