@@ -4,7 +4,11 @@ A random-weight model with the bundled SmolLM2-135M's shapes runs the same greed
 float32 and on CUDA in float32 and bfloat16, and int4 on both (CUDA's tinygemm kernel against the CPU's).
 For each, the position of the first greedy token that differs from the CPU's (32: none); the check passes
 when CUDA float32 matches the CPU on all 32 tokens of every prompt. Then decode speed on CUDA at batch 1
-and 32. Prints one JSON object (and writes it to $OUT/cuda_check.json when OUT is set).
+and 32. Memory (#18): for none/int8/int4 weights (int4 with and without its dense copy), the peak CUDA
+memory while the engine is placed and the memory it keeps, against `planned_weight_bytes` (what the start-up
+check counts) plus the KV pool; the default KV budget measured after the weights landed; an int8 KV cache and
+a sliding window on CUDA (PyTorch path) against the CPU (kernel). Prints one JSON object (and writes it to
+$OUT/cuda_check.json when OUT is set).
 
     python scripts/cuda_check.py
 """
@@ -91,6 +95,57 @@ def decode_speed(engine: LLMEngine, batch: int) -> float:
     return batch * 128 / max(total - first, 1e-9)
 
 
+def memory_accounting(loaded: LoadedModel) -> dict[str, object]:
+    """Peak and kept CUDA bytes per weight scheme, against the plan; the default KV budget after the weights."""
+    from tokenfactory.engine.placement import planned_weight_bytes
+
+    out: dict[str, object] = {}
+    piece = SMOLLM2_135M.vocab_size * SMOLLM2_135M.hidden_size * 4  # the embedding in float32: the largest piece
+    for scheme, dense in (("none", "copy"), ("int8", "copy"), ("int4", "copy"), ("int4", "on-the-fly")):
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        config = EngineConfig(device="cuda", dtype="bfloat16", quantization=scheme, quantization_dense=dense,
+                              kv_cache_memory=64 << 20, max_model_len=1024)
+        engine = LLMEngine(config, loaded)
+        kept, peak = torch.cuda.memory_allocated() - before, torch.cuda.max_memory_allocated() - before
+        planned = planned_weight_bytes(loaded, config, engine.device, engine.dtype)
+        out[f"{scheme}-{dense}"] = {
+            "planned_weight_bytes": planned, "engine_weight_bytes": engine.weight_bytes,
+            "kv_bytes": engine.capacity.total_bytes, "kept_bytes": kept, "peak_bytes": peak,
+            # kept = weights + KV pool (+ RoPE tables, 2 x 1024 x 32 float32); the peak adds one piece in flight
+            "kept_matches_plan": abs(kept - planned - engine.capacity.total_bytes) <= 1 << 20,
+            "peak_within_one_piece": peak <= kept + 3 * piece}
+        del engine
+    torch.cuda.empty_cache()
+    free_before = torch.cuda.mem_get_info()[0]
+    engine = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", max_model_len=1024), loaded)
+    weights = engine.weight_bytes
+    out["default_kv_budget"] = {"free_before_bytes": free_before, "weight_bytes": weights,
+                                "kv_bytes": engine.capacity.total_bytes,
+                                # 0.85 of what the weights left (memory/DEFAULT_FRACTION), within a block
+                                "share_of_free_after_weights": engine.capacity.total_bytes / (free_before - weights)}
+    return out
+
+
+def kv_and_window(loaded: LoadedModel, prompts: list[list[int]]) -> dict[str, object]:
+    """int8 KV and a sliding window: CUDA's PyTorch path against the CPU kernel, greedy tokens in float32."""
+    import dataclasses
+
+    windowed = LoadedModel(dataclasses.replace(SMOLLM2_135M, sliding_window=64), loaded.weights, loaded.tokenizer,
+                           loaded.path, loaded.format)
+    base = dict(dtype="float32", kv_cache_memory=256 << 20, max_model_len=1024, max_num_batched_tokens=256)
+    out: dict[str, object] = {}
+    for name, model, kv in (("int8_kv", loaded, "int8"), ("window_64", windowed, "auto"),
+                            ("window_64_int8_kv", windowed, "int8")):
+        cpu_tokens, _ = run(LLMEngine(EngineConfig(device="cpu", kv_cache_dtype=kv, **base), model), prompts, 32)
+        gpu = LLMEngine(EngineConfig(device="cuda", kv_cache_dtype=kv, **base), model)
+        gpu_tokens, _ = run(gpu, prompts, 32)
+        out[name] = {"tokens_equal_to_cpu_until": equal_until(cpu_tokens, gpu_tokens),
+                     "decode_tok_s_batch32": decode_speed(gpu, 32)}
+    return out
+
+
 def main() -> None:
     loaded = LoadedModel(SMOLLM2_135M, random_weights(SMOLLM2_135M), ByteTokenizer(), Path("random"), "random")  # type: ignore[arg-type]
     g = torch.Generator().manual_seed(1)
@@ -114,6 +169,8 @@ def main() -> None:
     report["int4"] = {"tokens_equal_to_cpu_int4_until": equal_until(cpu4_tokens, gpu4_tokens),
                       "kernels": sorted({m.describe() for m in gpu4.runner.model.modules() if hasattr(m, "describe")}),
                       "decode_tok_s_batch1": decode_speed(gpu4, 1), "decode_tok_s_batch32": decode_speed(gpu4, 32)}
+    report["memory"] = memory_accounting(loaded)
+    report["kv_and_window"] = kv_and_window(loaded, prompts)
     report["pass"] = all(n == 32 for n in report["float32"]["tokens_equal_to_cpu_until"])  # type: ignore[index]
     text = json.dumps(report, indent=2)
     print(text)
