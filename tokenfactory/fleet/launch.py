@@ -36,21 +36,53 @@ class BackendSpec:
     model: str | None = None  # its model's name in its API (default: the fleet's served name)
     device: str | None = None  # a catalog device (h100, a100, ...): its watts model the energy
     api_key: str | None = None
+    tokenizer: str | None = None  # a GGUF file or HF folder: its model's tokenizer, for a model we do not run
+    served: str | None = None  # our API's name for its model (default: --model's; with tokenizer=, `model`)
 
     @classmethod
     def parse(cls, text: str) -> BackendSpec:
-        """`URL[,model=NAME][,device=PROFILE][,key=API_KEY]`."""
+        """`URL[,model=NAME][,served=NAME][,device=PROFILE][,key=API_KEY][,tokenizer=PATH]`."""
         url, *options = [part.strip() for part in text.split(",")]
         if not url.startswith(("http://", "https://")):
             raise ParameterError("backend", f"--backend needs an http(s) URL first, got {url!r}")
-        known = {"model", "device", "key"}
-        fields: dict[str, str] = {}
-        for option in options:
-            key, sep, value = option.partition("=")
-            if not sep or key not in known:
-                raise ParameterError("backend", f"--backend option {option!r} is not one of model=, device=, key=")
-            fields[key] = value
-        return cls(url, fields.get("model"), fields.get("device"), fields.get("key"))
+        fields = _options("backend", options, {"model", "served", "device", "key", "tokenizer"})
+        return cls(url, fields.get("model"), fields.get("device"), fields.get("key"), fields.get("tokenizer"),
+                   fields.get("served"))
+
+    def group(self, default: str) -> str:
+        """The served model it joins: `served=`, else another model's name (with its tokenizer), else ours."""
+        return self.served or (self.model if self.tokenizer and self.model else default)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Another model served beside --model, by its own local replicas: `PATH[,name=NAME][,replicas=N]`."""
+
+    path: str
+    name: str | None = None
+    replicas: int = 1
+
+    @classmethod
+    def parse(cls, text: str) -> ModelSpec:
+        path, *options = [part.strip() for part in text.split(",")]
+        fields = _options("fleet_model", options, {"name", "replicas"})
+        try:
+            replicas = int(fields.get("replicas", "1"))
+        except ValueError:
+            replicas = 0
+        if replicas < 1:
+            raise ParameterError("fleet_model", f"replicas= must be a whole number >= 1, got {fields['replicas']!r}")
+        return cls(path, fields.get("name"), replicas)
+
+
+def _options(param: str, options: Sequence[str], known: set[str]) -> dict[str, str]:
+    fields: dict[str, str] = {}
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep or key not in known:
+            raise ParameterError(param, f"option {option!r} is not one of {', '.join(k + '=' for k in sorted(known))}")
+        fields[key] = value
+    return fields
 
 
 @dataclass(frozen=True)
@@ -91,9 +123,11 @@ def _cpu_model() -> str | None:
 
 
 def start_local_replicas(config: EngineConfig, num_replicas: int, ray_address: str | None, use_ray: bool,
-                         threads: int | None, hang_timeout_s: float, power: DevicePower) -> list[Replica]:
-    """N replicas of `config`, started in parallel; each restarts the same way when it dies."""
-    threads = threads or max(1, (os.cpu_count() or 1) // num_replicas)
+                         threads: int | None, hang_timeout_s: float, power: DevicePower, prefix: str = "",
+                         num_sharing: int | None = None) -> list[Replica]:
+    """N replicas of `config`, started in parallel; each restarts the same way when it dies. `prefix` keeps
+    replica ids unique across models; `num_sharing`: local replicas sharing this machine's cores in all."""
+    threads = threads or max(1, (os.cpu_count() or 1) // (num_sharing or num_replicas))
     if use_ray:
         import ray
 
@@ -112,7 +146,7 @@ def start_local_replicas(config: EngineConfig, num_replicas: int, ray_address: s
         def start(name: str) -> EngineClient:
             return start_process_replica(name, config, threads, hang_timeout_s)
         kind = "process"
-    names = [f"{kind[0]}{i}" for i in range(num_replicas)]
+    names = [f"{prefix}{kind[0]}{i}" for i in range(num_replicas)]
     with concurrent.futures.ThreadPoolExecutor(num_replicas) as pool:
         clients = list(pool.map(start, names))
     return [Replica(name, client, kind, device=config.device, power_source="meter", idle_watts=power.idle_watts,
@@ -125,11 +159,12 @@ def _restarter(start: Callable[[str], EngineClient], name: str) -> Callable[[], 
 
 
 def backend_replicas(specs: Sequence[BackendSpec], served_name: str, info: ModelInfo, tokenizer: Tokenizer,
-                     prices_for: Callable[[str | None], Prices]) -> tuple[list[Replica], list[BackendEnergy]]:
+                     prices_for: Callable[[str | None], Prices], first_index: int = 0
+                     ) -> tuple[list[Replica], list[BackendEnergy]]:
     replicas, energies = [], []
-    for i, spec in enumerate(specs):
+    for i, spec in enumerate(specs, first_index):
         name = f"b{i}"
-        client = HTTPBackend(name, spec.url, spec.model or served_name, info, tokenizer, spec.api_key)
+        client = HTTPBackend(name, spec.url, spec.model or spec.served or served_name, info, tokenizer, spec.api_key)
         power = catalog_power(spec.device) if spec.device else cpu_power(1)
         energy = BackendEnergy(name, power.busy_watts, power.scope, prices_for(spec.device))
         client.request_listeners.append(energy.on_request)

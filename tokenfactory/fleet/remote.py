@@ -174,6 +174,7 @@ class RemoteEngine:
                 self._apply(batch)
         except WorkerLost as e:
             self._fail_all(f"replica {self.name} died: {e}")
+            self._transport.close(1.0)  # reap it (a dead child stays a zombie until joined)
         except Exception as e:  # noqa: BLE001 - the receiver must never die silently and hang the streams
             logger.exception("replica %s: receiver failed", self.name)
             self._fail_all(f"replica {self.name}: its receiver failed: {type(e).__name__}: {e}")

@@ -85,14 +85,15 @@ class Accounting:
         self._in_flight: dict[concurrent.futures.Future[None], LedgerRow] = {}
 
     async def settle(self, api_request_id: str, engine_ids: Sequence[str], finals: Sequence[RequestOutput | None],
-                     status: str, tenant: str = "anonymous") -> dict[str, object]:
+                     status: str, tenant: str = "anonymous", model: str | None = None) -> dict[str, object]:
         """Finish the request with the meter, commit its ledger row, and return the usage fields.
         `finals[i]` is engine request i's last output (None if it never produced one). Only the first call
         for an `api_request_id` does the work; later ones return its usage. The work goes on if the caller
         is cancelled, so a client that leaves mid-write still gets its row, once."""
         settlement = self._id_to_settlement.get(api_request_id)
         if settlement is None:
-            settlement = asyncio.ensure_future(self._settle(api_request_id, engine_ids, finals, status, tenant))
+            settlement = asyncio.ensure_future(self._settle(api_request_id, engine_ids, finals, status, tenant,
+                                                            model or self.model_name))
             self._remember(api_request_id, settlement)
         return dict(await asyncio.shield(settlement))
 
@@ -105,24 +106,24 @@ class Accounting:
             del self._id_to_settlement[oldest_id]
 
     async def _settle(self, api_request_id: str, engine_ids: Sequence[str], finals: Sequence[RequestOutput | None],
-                      status: str, tenant: str) -> dict[str, object]:
+                      status: str, tenant: str, model: str) -> dict[str, object]:
         parts = []
         for rid, out in zip(engine_ids, finals, strict=True):
             num_out = out.num_completion_tokens if out is not None else 0
             parts.append(self.meter.finish_request(rid, num_out))
         energy = merge_energy(api_request_id, parts)
-        await self._commit(self._row(energy, finals, status, tenant))
+        await self._commit(self._row(energy, finals, status, tenant, model))
         return usage_fields(energy)
 
     def _row(self, energy: RequestEnergy, finals: Sequence[RequestOutput | None], status: str,
-             tenant: str) -> LedgerRow:
+             tenant: str, model: str) -> LedgerRow:
         done = [o for o in finals if o is not None]
         metrics = [o.metrics for o in done if o.metrics is not None]
         first_tokens = [m.first_token_time for m in metrics if m.first_token_time is not None]
         arrivals = [m.arrival_time for m in metrics]
         ends = [m.finished_time or m.last_token_time for m in metrics]
         return row_for(
-            energy, model=self.model_name, status=status, tenant=tenant,
+            energy, model=model, status=status, tenant=tenant,
             prompt_tokens=sum(len(o.prompt_token_ids) for o in done),
             completion_tokens=sum(o.num_completion_tokens for o in done),
             cached_tokens=sum(o.num_cached_tokens for o in done),

@@ -14,7 +14,7 @@ a streaming client that stops reading is dropped after `stream_send_timeout_s` (
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -39,13 +39,15 @@ __all__ = ["APIError", "ServerSettings", "Settlement", "build_app"]
 
 
 def build_app(engine: EngineClient, settings: ServerSettings, accounting: Accounting | None = None,
-              on_shutdown: Callable[[], None] | None = None, tenancy: Tenancy | None = None) -> FastAPI:
+              on_shutdown: Callable[[], None] | None = None, tenancy: Tenancy | None = None,
+              models: Mapping[str, EngineClient] | None = None) -> FastAPI:
+    """`engine` serves `settings.served_model_name`; `models` adds other models by name (a fleet per model)."""
     if tenancy is None:  # auth off, no limits but the queue bound
         tenancy = Tenancy(None, Admission(max_waiting=settings.max_waiting, retry_after_s=settings.retry_after_s))
     metrics = ServerMetrics(engine, settings.served_model_name,
                             accounting.meter if accounting else None, accounting.ledger if accounting else None,
-                            admission=tenancy.admission)
-    handler = Handler(engine, settings, metrics, accounting, tenancy)
+                            admission=tenancy.admission, models=models)
+    handler = Handler(engine, settings, metrics, accounting, tenancy, models)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -65,8 +67,9 @@ def build_app(engine: EngineClient, settings: ServerSettings, accounting: Accoun
     app.state.metrics = metrics
     install_error_handlers(app, lambda status: metrics.errors.labels(settings.served_model_name, str(status)).inc())
     tenancy.install(app, lambda status: metrics.errors.labels(settings.served_model_name, str(status)).inc())
-    if isinstance(engine, Fleet):  # /fleet/replicas and per-replica /metrics (fleet_routes.py)
-        install_fleet_routes(app, engine, metrics.registry, tenancy)
+    fleets = [s.engine for s in handler.models.values() if isinstance(s.engine, Fleet)]
+    if fleets:  # /fleet/replicas and per-replica /metrics (fleet_routes.py)
+        install_fleet_routes(app, fleets, metrics.registry, tenancy)
     app.state.dashboard = dashboard.install(app, engine, metrics, accounting, tenancy)  # /dashboard (dashboard.py)
 
     @app.get("/health")
@@ -78,9 +81,11 @@ def build_app(engine: EngineClient, settings: ServerSettings, accounting: Accoun
         if ledger is not None and ledger.degraded:  # serving goes on; rows wait in the journal
             return JSONResponse({"status": "degraded", "model": settings.served_model_name, "reason": ledger.reason,
                                  "ledger_rows_pending": ledger.num_pending})
-        if isinstance(engine, Fleet) and (down := fleet_down(engine)):  # serving goes on with the others
+        down = {**{n: s.engine.dead_reason or "stopped" for n, s in handler.models.items() if not s.engine.is_alive},
+                **{rid: why for fleet in fleets for rid, why in fleet_down(fleet).items()}}
+        if down:  # serving goes on with the others
             return JSONResponse({"status": "degraded", "model": settings.served_model_name,
-                                 "reason": f"{len(down)} of {len(engine.replicas)} replicas are not taking requests",
+                                 "reason": f"{len(down)} models or replicas are not taking requests",
                                  "replicas_down": down})
         return JSONResponse({"status": "ok", "model": settings.served_model_name})
 
@@ -89,11 +94,11 @@ def build_app(engine: EngineClient, settings: ServerSettings, accounting: Accoun
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models() -> dict:
+    async def list_models() -> dict:
         return {"object": "list", "data": [{
-            "id": settings.served_model_name, "object": "model", "created": int(handler.started),
-            "owned_by": "tokenfactory", "root": settings.served_model_name,
-            "max_model_len": engine.info.max_model_len}]}
+            "id": served.name, "object": "model", "created": int(handler.started), "owned_by": "tokenfactory",
+            "root": served.name, "max_model_len": served.engine.info.max_model_len}
+            for served in handler.models.values()]}
 
     @app.get("/v1/usage")
     async def usage(request: Request, since: str | None = None, group_by: str | None = None,

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import re
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 logger = logging.getLogger("tokenfactory.serve")
@@ -136,8 +137,13 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                    help="place the replicas as Ray actors: on a local Ray (no ADDRESS) or an existing cluster")
     g.add_argument("--backend", action="append", type=_backend_spec, default=[], metavar="URL[,model=..]",
-                   help="an external OpenAI-compatible server of the same model as a replica (repeatable): "
-                        "URL[,model=NAME][,device=CATALOG_DEVICE][,key=API_KEY]")
+                   help="an external OpenAI-compatible server as a replica (repeatable): "
+                        "URL[,model=ITS_NAME][,served=OUR_NAME][,device=CATALOG_DEVICE][,key=API_KEY][,tokenizer=PATH]"
+                        "; it joins --model's replicas, or with tokenizer= (a model no replica here runs) serves "
+                        "`served` (default: `model`) on its own")
+    g.add_argument("--fleet-model", action="append", type=_model_spec, default=[], metavar="PATH[,name=..]",
+                   help="another model served beside --model by its own local replicas (repeatable): "
+                        "PATH[,name=SERVED_NAME][,replicas=N]; requests go to the model their `model` names")
     g.add_argument("--router", default="least-work", choices=sorted(ROUTERS),
                    help="routing policy: least-work (outstanding tokens), prefix (prefix affinity, load "
                         "fallback) or energy (lowest marginal joules per token within a TTFT bound)")
@@ -158,10 +164,19 @@ def _backend_spec(text: str):  # noqa: ANN202 - BackendSpec
         raise argparse.ArgumentTypeError(str(e)) from e
 
 
+def _model_spec(text: str):  # noqa: ANN202 - ModelSpec
+    from tokenfactory.fleet.launch import ModelSpec
+
+    try:
+        return ModelSpec.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
 def fleet_mode(args: argparse.Namespace) -> bool:
     return getattr(args, "replicas", 1) != 1 or getattr(args, "ray", None) is not None or bool(
-        getattr(args, "autoscaler", None)) or bool(
-        getattr(args, "backend", []))
+        getattr(args, "autoscaler", None)) or bool(getattr(args, "backend", [])) or bool(
+        getattr(args, "fleet_model", []))
 
 
 def add_limit_args(p: argparse.ArgumentParser) -> None:
@@ -297,6 +312,7 @@ class Started:
     banner: list[str]  # "  key  value" lines: model, device, KV (one engine) or replicas (a fleet)
     power: str
     prices: str
+    extra_models: dict = field(default_factory=dict)  # name -> Fleet: models served beside the default
     autoscaling: Any = None  # gateway/autoscale.py's Autoscaling, with --autoscaler
 
 
@@ -320,52 +336,114 @@ def start_engine(args: argparse.Namespace) -> Started:
 
 
 def start_fleet(args: argparse.Namespace) -> Started:
-    """Replicas in local processes or on Ray, and external backends, behind one Fleet (docs/fleet.md)."""
-    from pathlib import Path
-
-    from tokenfactory.engine.memory import resolve_device
+    """Replicas in local processes or on Ray, and external backends, behind one Fleet per model (docs/fleet.md):
+    --model's (the default), each --fleet-model's, and each backend model we do not run ourselves."""
     from tokenfactory.fleet.energy import FleetMeter
     from tokenfactory.fleet.fleet import Fleet
-    from tokenfactory.fleet.launch import backend_replicas, cpu_power, start_local_replicas
-    from tokenfactory.fleet.router import make_router
-    from tokenfactory.meter.prices import load_prices
+    from tokenfactory.fleet.launch import cpu_power
 
     config = engine_config_from_args(args)
-    if args.replicas < 0 or (args.replicas == 0 and not args.backend):
-        raise ValueError("--replicas must be >= 1, or 0 with at least one --backend")
-    power_model = cpu_power(max(args.replicas, 1), args.cpu_tdp_watts)
-    replicas = start_local_replicas(config, args.replicas, args.ray or None, args.ray is not None,
-                                    getattr(args, "threads", None), args.replica_timeout, power_model) \
-        if args.replicas else []
+    joins_default = [b for b in args.backend if b.group("") in ("", args.served_model_name)]
+    if args.replicas < 0 or (args.replicas == 0 and not joins_default):
+        raise ValueError("--replicas must be >= 1, or 0 with a --backend of the same model")
+    num_local = args.replicas + sum(m.replicas for m in args.fleet_model)
+    power_model = cpu_power(max(num_local, 1), args.cpu_tdp_watts)
+    groups = [_model_group(args, config, args.replicas, None, power_model, num_local)]
+    for k, spec in enumerate(args.fleet_model, 1):
+        groups.append(_model_group(args, dataclasses.replace(config, model=spec.path), spec.replicas, spec.name,
+                                   power_model, num_local, prefix=f"m{k}-"))
+    name = groups[0].name
+    accounting, power, prices = build_accounting(args, groups[0].info.config, config.device.split(":")[0], name)
+    energies = _add_backends(args, groups)
+    if energies:
+        accounting.meter = FleetMeter(accounting.meter, energies)
+    fleets = {g.name: Fleet(g.name, g.replicas, _router(args)) for g in groups}
+    for fleet in fleets.values():
+        fleet.step_listeners.append(accounting.meter.on_step)  # one meter: this machine's power, every step
+        fleet.start()
+    from tokenfactory.gateway.autoscale import describe, start_autoscaler
+
+    autoscaling = start_autoscaler(args, fleets[name], config, power_model)  # the default model's replicas
+    banner = [f"  model   {groups[0].model_path}"]
+    if autoscaling is not None:
+        banner.append(f"  scaling {describe(autoscaling)}")
+    for fleet in fleets.values():
+        banner.append(f"  fleet   {fleet.model}: {len(fleet.replicas)} replicas, router {fleet.router.name}")
+        for r in fleet.replicas.values():
+            facts = getattr(r.client, "facts", {})
+            where = f"pid {facts['pid']}" if "pid" in facts else getattr(r.client, "url", "")
+            banner.append(f"    {r.replica_id:6} {r.kind:8} {r.device:6} {where}; routing watts {r.idle_watts:.0f} "
+                          f"idle / {r.busy_watts:.0f} busy")
+    return Started(fleets.pop(name), accounting, name, banner, power, prices, extra_models=fleets,
+                   autoscaling=autoscaling)
+
+
+@dataclass
+class _ModelGroup:
+    """One served model's replicas while the fleet is being built."""
+
+    name: str
+    info: Any  # ModelInfo
+    tokenizer: Any
+    model_path: str
+    replicas: list
+
+
+def _model_group(args: argparse.Namespace, config, num_replicas: int, name: str | None, power_model,  # noqa: ANN001
+                 num_local: int, prefix: str = "") -> _ModelGroup:
+    from tokenfactory.fleet.launch import start_local_replicas
+
+    replicas = start_local_replicas(config, num_replicas, args.ray or None, args.ray is not None,
+                                    getattr(args, "threads", None), args.replica_timeout, power_model, prefix,
+                                    num_local) if num_replicas else []
     if replicas:
-        info, tokenizer, facts = replicas[0].client.info, replicas[0].client.tokenizer, replicas[0].client.facts
-        model_path = str(facts["model_path"])
+        client = replicas[0].client
+        info, tokenizer, model_path = client.info, client.tokenizer, str(client.facts["model_path"])
     else:
         config, loaded = load_checked(args)
         info, tokenizer, model_path = model_info(config, loaded), loaded.tokenizer, str(loaded.path)
-    name = served_name(model_path, args.served_model_name)
-    accounting, power, prices = build_accounting(args, info.config, resolve_device(config.device).type, name)
-    prices_path = Path(args.prices) if args.prices else None
-    backends, energies = backend_replicas(
-        args.backend, name, info, tokenizer,
-        lambda device: load_prices(prices_path, device_name=device, device_type="cuda" if device else "cpu"))
-    if energies:
-        accounting.meter = FleetMeter(accounting.meter, energies)
-    fleet = Fleet(name, replicas + backends, make_router(args.router, args.sticky_sessions))
-    fleet.step_listeners.append(accounting.meter.on_step)
-    fleet.start()
-    from tokenfactory.gateway.autoscale import describe, start_autoscaler
+    explicit = name or (args.served_model_name if not prefix else None)
+    return _ModelGroup(served_name(model_path, explicit), info, tokenizer, model_path, replicas)
 
-    autoscaling = start_autoscaler(args, fleet, config, power_model)
-    banner = [f"  model   {model_path}", f"  fleet   {len(fleet.replicas)} replicas, router {fleet.router.name}"]
-    if autoscaling is not None:
-        banner.append(f"  scaling {describe(autoscaling)}")
-    for r in fleet.replicas.values():
-        facts = getattr(r.client, "facts", {})
-        where = f"pid {facts['pid']}" if "pid" in facts else getattr(r.client, "url", "")
-        banner.append(f"    {r.replica_id:4} {r.kind:8} {r.device:6} {where}; routing watts {r.idle_watts:.0f} idle / "
-                      f"{r.busy_watts:.0f} busy")
-    return Started(fleet, accounting, name, banner, power, prices, autoscaling)
+
+def _add_backends(args: argparse.Namespace, groups: list[_ModelGroup]) -> list:
+    """Each --backend joins the group of its model, or starts a group of its own (with its tokenizer=)."""
+    from pathlib import Path
+
+    from tokenfactory.fleet.launch import backend_replicas
+    from tokenfactory.meter.prices import load_prices
+    from tokenfactory.models.loader import load_model
+
+    prices_path = Path(args.prices) if args.prices else None
+
+    def prices_for(device: str | None):  # noqa: ANN202 - Prices
+        return load_prices(prices_path, device_name=device, device_type="cuda" if device else "cpu")
+
+    energies = []
+    for i, spec in enumerate(args.backend):
+        served = spec.group(groups[0].name)
+        group = next((g for g in groups if g.name == served), None)
+        if group is None:
+            if not spec.tokenizer:
+                raise ValueError(f"--backend {spec.url} serves {served!r}, which no replica here runs: give its "
+                                 f"tokenizer (tokenizer=PATH to a GGUF file or Hugging Face folder)")
+            loaded = load_model(spec.tokenizer)
+            from tokenfactory.engine.client import ModelInfo
+
+            info = ModelInfo(str(loaded.path), loaded.config.max_position_embeddings, loaded.tokenizer.vocab_size,
+                             loaded.config, eos_token_ids=tuple(loaded.tokenizer.eos_token_ids))
+            group = _ModelGroup(served, info, loaded.tokenizer, str(loaded.path), [])
+            groups.append(group)
+        replicas, found = backend_replicas([spec], group.name, group.info, group.tokenizer, prices_for, i)
+        group.replicas += replicas
+        energies += found
+    return energies
+
+
+def _router(args: argparse.Namespace):  # noqa: ANN202 - RoutingPolicy
+    from tokenfactory.fleet.router import make_router
+
+    return make_router(args.router, args.sticky_sessions)
 
 
 def model_info(config, loaded):  # noqa: ANN001, ANN201 - ModelInfo of a model loaded here (a backends-only fleet)
@@ -412,7 +490,8 @@ def serve(args: argparse.Namespace) -> int:
                               batch=BatchSettings(max_lines_in_flight=args.batch_lines_in_flight,
                                                   prices_path=args.prices))
     tenancy, auth_line = build_tenancy(args, client, accounting)
-    app = build_app(client, settings, accounting, on_shutdown=shutdown, tenancy=tenancy)
+    app = build_app(client, settings, accounting, on_shutdown=shutdown, tenancy=tenancy,
+                    models=started.extra_models)
     if started.autoscaling is not None:  # GET /fleet/autoscaler, its /metrics, the TTFT feed
         from tokenfactory.gateway.autoscale import install_autoscaler_routes
 

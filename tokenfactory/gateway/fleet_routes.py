@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from fastapi import FastAPI, Request
 from prometheus_client import CollectorRegistry
@@ -25,11 +25,11 @@ P = "tokenfactory:"
 
 
 class ReplicaCollector(Collector):
-    def __init__(self, fleet: Fleet) -> None:
-        self.fleet = fleet
+    def __init__(self, fleets: Sequence[Fleet]) -> None:
+        self.fleets = list(fleets)
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        statuses = self.fleet.status()
+        statuses = [s for fleet in self.fleets for s in fleet.status()]
         labels = ["model_name", "replica", "kind"]
 
         def family(cls: type, name: str, doc: str, value: object) -> GaugeMetricFamily | CounterMetricFamily:
@@ -71,8 +71,17 @@ def fleet_down(fleet: Fleet) -> dict[str, str]:
     return {s.replica_id: s.down_reason or s.state for s in fleet.status() if not (s.alive and s.state == "ready")}
 
 
-def install_fleet_routes(app: FastAPI, fleet: Fleet, registry: CollectorRegistry, tenancy: Tenancy) -> None:
-    registry.register(ReplicaCollector(fleet))
+def install_fleet_routes(app: FastAPI, fleets: Sequence[Fleet], registry: CollectorRegistry, tenancy: Tenancy
+                         ) -> None:
+    """The routes over every model's fleet; replica ids are unique across them (launch.py prefixes them)."""
+    registry.register(ReplicaCollector(fleets))
+
+    def owner(replica_id: str) -> Fleet:
+        fleet = next((f for f in fleets if replica_id in f.replicas), None)
+        if fleet is None:
+            raise APIError(404, f"no replica {replica_id!r}; see GET /fleet/replicas", "not_found_error",
+                           "replica_id")
+        return fleet
 
     def check_operator(request: Request) -> None:
         if tenancy.auth_on:
@@ -87,28 +96,23 @@ def install_fleet_routes(app: FastAPI, fleet: Fleet, registry: CollectorRegistry
         if not loopback:
             raise APIError(403, "without --auth, replicas are managed from this machine only", "permission_error")
 
-    def replica(replica_id: str) -> None:
-        if replica_id not in fleet.replicas:
-            raise APIError(404, f"no replica {replica_id!r}; see GET /fleet/replicas", "not_found_error",
-                           "replica_id")
-
     @app.get("/fleet/replicas")
     async def list_replicas(request: Request) -> dict:
         check_operator(request)
-        decisions = [dataclasses.asdict(d) for d in fleet.decisions[-20:]]
-        return {"object": "list", "model": fleet.model, "router": fleet.router.name,
-                "data": [status_json(s) for s in fleet.status()], "recent_decisions": decisions}
+        decisions = [{"model": f.model, **dataclasses.asdict(d)} for f in fleets for d in f.decisions[-20:]]
+        return {"object": "list", "models": {f.model: {"router": f.router.name} for f in fleets},
+                "data": [status_json(s) for f in fleets for s in f.status()], "recent_decisions": decisions}
 
     @app.post("/fleet/replicas/{replica_id}/drain")
     async def drain(replica_id: str, request: Request) -> dict:
         check_operator(request)
-        replica(replica_id)
+        fleet = owner(replica_id)
         fleet.drain(replica_id)
         return status_json(next(s for s in fleet.status() if s.replica_id == replica_id))
 
     @app.post("/fleet/replicas/{replica_id}/undrain")
     async def undrain(replica_id: str, request: Request) -> dict:
         check_operator(request)
-        replica(replica_id)
+        fleet = owner(replica_id)
         fleet.undrain(replica_id)
         return status_json(next(s for s in fleet.status() if s.replica_id == replica_id))

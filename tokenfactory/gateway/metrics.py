@@ -9,14 +9,14 @@ per-request latencies are observed by the server when a request finishes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from tokenfactory.engine.client import EngineClient, SpeculativeMetrics
+from tokenfactory.engine.client import EngineClient, EngineStats, SpeculativeMetrics
 from tokenfactory.meter.attribution import Meter
 from tokenfactory.meter.ledger import Ledger
 from tokenfactory.meter.utilisation import DeviceUsage, from_totals
@@ -30,41 +30,53 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 
 
 class EngineCollector(Collector):
-    def __init__(self, engine: EngineClient, model_name: str) -> None:
+    """The engine-side series of every served model (one engine, or one fleet per model), one row per model."""
+
+    def __init__(self, engine: EngineClient, model_name: str,
+                 models: Mapping[str, EngineClient] | None = None) -> None:
         self.engine, self.model_name = engine, model_name
+        self.models = {model_name: engine, **(models or {})}
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        s, labels = self.engine.stats(), ["model_name"]
+        snaps = [(name, engine.stats()) for name, engine in self.models.items()]
+        labels = ["model_name"]
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(P + name, doc, labels=labels)
-            g.add_metric([self.model_name], value)
-            return g
+        def family(cls: type, name: str, doc: str, value: Callable[[EngineStats], float]
+                   ) -> GaugeMetricFamily | CounterMetricFamily:
+            f = cls(P + name, doc, labels=labels)
+            for model_name, s in snaps:
+                f.add_metric([model_name], value(s))
+            return f
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(P + name, doc, labels=labels)
-            c.add_metric([self.model_name], value)
-            return c
+        def gauge(name: str, doc: str, value: Callable[[EngineStats], float]) -> GaugeMetricFamily:
+            return family(GaugeMetricFamily, name, doc, value)
+
+        def counter(name: str, doc: str, value: Callable[[EngineStats], float]) -> CounterMetricFamily:
+            return family(CounterMetricFamily, name, doc, value)
 
         yield gauge("engine_alive", "1 while the engine steps; 0 once it stopped (alerts: a replica down).",
-                    float(s.alive))
-        yield gauge("num_requests_running", "Sequences in the running batch.", s.num_running)
-        yield gauge("num_requests_waiting", "Sequences and requests waiting to be scheduled.", s.num_waiting)
-        yield gauge("kv_cache_usage_perc", "Share of KV-cache blocks in use (0..1).", s.kv_cache_usage)
-        yield gauge("kv_cache_num_blocks", "KV-cache blocks in the pool.", s.num_kv_blocks)
-        yield gauge("max_num_seqs", "Configured cap on running sequences.", s.max_num_seqs)
-        yield gauge("max_num_batched_tokens", "Configured token budget per step.", s.max_num_batched_tokens)
-        yield counter("prompt_tokens", "Prompt tokens processed (cache hits included).", s.num_prompt_tokens_total)
-        yield counter("generation_tokens", "Tokens generated.", s.num_generation_tokens_total)
-        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.num_prefix_queries)
-        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.num_prefix_hits)
+                    lambda s: float(s.alive))
+        yield gauge("num_requests_running", "Sequences in the running batch.", lambda s: s.num_running)
+        yield gauge("num_requests_waiting", "Sequences and requests waiting to be scheduled.",
+                    lambda s: s.num_waiting)
+        yield gauge("kv_cache_usage_perc", "Share of KV-cache blocks in use (0..1).", lambda s: s.kv_cache_usage)
+        yield gauge("kv_cache_num_blocks", "KV-cache blocks in the pool.", lambda s: s.num_kv_blocks)
+        yield gauge("max_num_seqs", "Configured cap on running sequences.", lambda s: s.max_num_seqs)
+        yield gauge("max_num_batched_tokens", "Configured token budget per step.", lambda s: s.max_num_batched_tokens)
+        yield counter("prompt_tokens", "Prompt tokens processed (cache hits included).",
+                      lambda s: s.num_prompt_tokens_total)
+        yield counter("generation_tokens", "Tokens generated.", lambda s: s.num_generation_tokens_total)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      lambda s: s.num_prefix_queries)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", lambda s: s.num_prefix_hits)
         yield counter("num_preemptions", "Sequences preempted (by recompute) for lack of KV blocks.",
-                      s.num_preemptions)
-        yield counter("engine_steps", "Engine steps run.", s.num_steps)
+                      lambda s: s.num_preemptions)
+        yield counter("engine_steps", "Engine steps run.", lambda s: s.num_steps)
         yield counter("requests_failed_alone", "Requests the engine failed alone (fault isolation).",
-                      s.num_failed_requests)
+                      lambda s: s.num_failed_requests)
+        model_name, s = snaps[0]  # the default model's (a fleet reports no speculative figures of its own)
         if s.speculative is not None:
-            yield from speculative_metrics(s.speculative, self.model_name)
+            yield from speculative_metrics(s.speculative, model_name)
 
 
 def speculative_metrics(m: SpeculativeMetrics, model_name: str) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
@@ -232,9 +244,10 @@ class AdmissionCollector(Collector):
 
 class ServerMetrics:
     def __init__(self, engine: EngineClient, model_name: str, meter: Meter | None = None,
-                 ledger: Ledger | None = None, *, admission: Admission | None = None) -> None:
+                 ledger: Ledger | None = None, *, admission: Admission | None = None,
+                 models: Mapping[str, EngineClient] | None = None) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(engine, model_name))
+        self.registry.register(EngineCollector(engine, model_name, models))
         if admission is not None:
             self.registry.register(AdmissionCollector(admission))
         if meter is not None:

@@ -14,7 +14,7 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -59,12 +59,25 @@ class Prepared:
     params: SamplingParams
 
 
+@dataclass(frozen=True)
+class Served:
+    """One model the server serves: its name in the API and its engine client (one engine, or a fleet)."""
+
+    name: str
+    engine: EngineClient
+
+
 class Handler:
-    """The routes' work (see the module's docstring); `background` holds the settlements still running."""
+    """The routes' work (see the module's docstring); `background` holds the settlements still running.
+    `engine` serves `settings.served_model_name`, the default; `models` adds others by name (a fleet of
+    several models: each request goes to the one its `model` names)."""
 
     def __init__(self, engine: EngineClient, settings: ServerSettings, metrics: ServerMetrics,
-                 accounting: Accounting | None = None, tenancy: Tenancy | None = None) -> None:
+                 accounting: Accounting | None = None, tenancy: Tenancy | None = None,
+                 models: Mapping[str, EngineClient] | None = None) -> None:
         self.engine, self.settings, self.metrics, self.accounting = engine, settings, metrics, accounting
+        self.models: dict[str, Served] = {settings.served_model_name: Served(settings.served_model_name, engine)}
+        self.models.update({name: Served(name, client) for name, client in (models or {}).items()})
         self.tenancy = tenancy if tenancy is not None else Tenancy(None)
         self.background: set[asyncio.Task] = set()
         self.started = time.time()
@@ -74,20 +87,26 @@ class Handler:
     def tokenizer(self):  # noqa: ANN201 - the model's Tokenizer
         return self.engine.tokenizer
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.settings.served_model_name:
-            raise APIError(404, f"the model {name!r} does not exist on this server; it serves "
-                           f"{self.settings.served_model_name!r} (see GET /v1/models)", "not_found_error",
-                           "model", "model_not_found")
+    def check_model(self, name: str | None) -> Served:
+        """The model a request names (None: the default one); 404 naming what is served otherwise."""
+        if name is None:
+            return self.models[self.settings.served_model_name]
+        served = self.models.get(name)
+        if served is None:
+            names = ", ".join(repr(n) for n in self.models)
+            raise APIError(404, f"the model {name!r} does not exist on this server; it serves {names} "
+                           f"(see GET /v1/models)", "not_found_error", "model", "model_not_found")
+        return served
 
-    def check_alive(self) -> None:
-        if not self.engine.is_alive:
-            raise APIError(503, self.engine.dead_reason or "the engine is not running", "server_error",
+    def check_alive(self, served: Served | None = None) -> None:
+        engine = (served or self.check_model(None)).engine
+        if not engine.is_alive:
+            raise APIError(503, engine.dead_reason or "the engine is not running", "server_error",
                            code="engine_unavailable")
 
     def prepare(self, body: _SamplingFields, text: str | None, ids: list[int], max_tokens: int | None,
-                logprobs: int | None) -> Prepared:
-        info = self.engine.info
+                logprobs: int | None, served: Served | None = None) -> Prepared:
+        info = (served or self.check_model(None)).engine.info
         info.check_prompt(ids)
         room = info.max_model_len - len(ids)
         if max_tokens is None:
@@ -108,18 +127,18 @@ class Handler:
     # -- endpoints --------------------------------------------------------------------------------------
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        self.check_model(body.model)
+        served = self.check_model(body.model)
         check_unicode(body)
         if body.best_of not in (None, 1) or body.suffix is not None:
             raise ParameterError("best_of" if body.suffix is None else "suffix",
                                  "best_of and suffix are not supported by this server")
         body.sampling_params(body.max_tokens, body.logprobs)  # cheap checks before tokenizing anything
-        prompts = await asyncio.to_thread(self.normalize_prompts, body.prompt)
-        prepared = [self.prepare(body, text, ids, body.max_tokens, body.logprobs) for text, ids in prompts]
-        return await self.serve(body, prepared, request, "text_completion", echo=body.echo)
+        prompts = await asyncio.to_thread(self.normalize_prompts, body.prompt, served.engine.tokenizer)
+        prepared = [self.prepare(body, text, ids, body.max_tokens, body.logprobs, served) for text, ids in prompts]
+        return await self.serve(body, prepared, request, "text_completion", echo=body.echo, served=served)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
-        self.check_model(body.model)
+        served = self.check_model(body.model)
         check_unicode(body)
         body.check_supported()
         messages = []
@@ -129,21 +148,25 @@ class Handler:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         body.sampling_params(max_tokens, logprobs)  # cheap checks before tokenizing anything
-        text, ids = await asyncio.to_thread(self.chat_prompt, messages, body.add_generation_prompt)
-        prepared = [self.prepare(body, text, ids, max_tokens, logprobs)]
-        return await self.serve(body, prepared, request, "chat.completion")
+        text, ids = await asyncio.to_thread(self.chat_prompt, messages, body.add_generation_prompt,
+                                            served.engine.tokenizer)
+        prepared = [self.prepare(body, text, ids, max_tokens, logprobs, served)]
+        return await self.serve(body, prepared, request, "chat.completion", served=served)
 
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool) -> tuple[str, list[int]]:
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool, tokenizer: object = None
+                    ) -> tuple[str, list[int]]:
         """The chat template applied and tokenized (in a worker thread: long conversations take a while)."""
+        tokenizer = tokenizer or self.tokenizer
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
         except Exception as e:  # the template's own raise_exception(): e.g. roles out of order
             raise ParameterError("messages", f"the model's chat template refused these messages: {e}") from e
-        return text, self.tokenizer.encode(text, add_special_tokens=False)
+        return text, tokenizer.encode(text, add_special_tokens=False)
 
-    def normalize_prompts(self, prompt: str | list) -> list[tuple[str | None, list[int]]]:
+    def normalize_prompts(self, prompt: str | list, tokenizer: object = None) -> list[tuple[str | None, list[int]]]:
+        tokenizer = tokenizer or self.tokenizer
         if isinstance(prompt, str):
-            return [(prompt, self.tokenizer.encode(prompt))]
+            return [(prompt, tokenizer.encode(prompt))]
         if not prompt:
             raise ParameterError("prompt", "prompt must not be empty")
         if all(isinstance(p, int) for p in prompt):
@@ -151,15 +174,16 @@ class Handler:
         if len(prompt) > MAX_PROMPTS:
             raise ParameterError("prompt", f"at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}")
         if all(isinstance(p, str) for p in prompt):
-            return [(p, self.tokenizer.encode(p)) for p in prompt]
+            return [(p, tokenizer.encode(p)) for p in prompt]
         if all(isinstance(p, list) for p in prompt):
             return [(None, list(p)) for p in prompt]
         raise ParameterError("prompt", "prompt must be a string, a list of strings, a list of token ids, "
                              "or a list of lists of token ids")
 
     async def serve(self, body: _SamplingFields, prepared: list[Prepared], request: Request, kind: str,
-                    echo: bool = False) -> Response:
-        self.check_alive()
+                    echo: bool = False, served: Served | None = None) -> Response:
+        served = served or self.check_model(None)
+        self.check_alive(served)
         # A batch line (gateway/batch.py) brings its own durable request id and the batch priority band.
         request_id = (getattr(request.state, "request_id", None)
                       or f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}")
@@ -167,12 +191,12 @@ class Handler:
         # budget); the Settlement releases all of it exactly once, on every way out.
         worst_tokens = sum(len(p.token_ids) + p.params.n * (p.params.max_tokens or 0) for p in prepared)
         reservation = self.tenancy.admit(request, request_id, worst_tokens=worst_tokens, num_prompts=len(prepared),
-                                         model=self.settings.served_model_name)
+                                         model=served.name)
         try:
             priority = getattr(request.state, "priority", reservation.priority)
             adds = [AddRequest(f"{request_id}-{i}", p.token_ids, p.text, p.params, time.monotonic(),
                                reservation.tenant, priority, body.user) for i, p in enumerate(prepared)]
-            settlement = Settlement(self.accounting, self.background, request_id, adds, reservation)
+            settlement = Settlement(self.accounting, self.background, request_id, adds, reservation, served.name)
         except BaseException:
             reservation.cancel()
             raise
@@ -180,14 +204,14 @@ class Handler:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             latest: dict[int, RequestOutput] = {}
-            events = self.stream(adds, settlement, latest, render, include_usage, echo)
+            events = self.stream(adds, settlement, latest, render, include_usage, echo, served)
 
             async def on_close(how: str) -> None:  # the body's own settlement, or this one if it never ran
                 await settlement.settle([latest.get(i) for i in range(len(adds))], "aborted")
             return EventStream(events, on_close, self.settings.stream_send_timeout_s)
         latest = {}
         try:
-            finals = await self.collect(adds, request, latest, reservation)
+            finals = await self.collect(adds, request, latest, reservation, served)
         except BaseException as e:
             status = "failed" if isinstance(e, APIError) else "aborted"
             settlement.start([latest.get(i) for i in range(len(adds))], status)
@@ -199,19 +223,22 @@ class Handler:
                 prefix = (out.prompt or "") if echo else ""
                 choices.append(Choice(i * n + c.index, prefix + c.text, c.finish_reason, c.logprobs))
         extra = await settlement.settle(list(finals), "finished")
-        return JSONResponse(render.full(request_id, self.settings.served_model_name, choices,
+        return JSONResponse(render.full(request_id, served.name, choices,
                                         usage_dict(finals, extra)))
 
     async def collect(self, adds: list[AddRequest], request: Request, latest: dict[int, RequestOutput],
-                      reservation: Reservation) -> list[RequestOutput]:
+                      reservation: Reservation, served: Served | None = None) -> list[RequestOutput]:
         """Run each prompt to the end; if the client disconnects first, abort them all."""
+        served = served or self.check_model(None)
+        engine, name = served.engine, served.name
+
         async def one(i: int, add: AddRequest) -> RequestOutput:
             final = None
             try:
-                async for out in self.engine.generate(add):
+                async for out in engine.generate(add):
                     if final is None:
                         reservation.leave_queue(i)
-                    final = latest[i] = self.observe(out, final)
+                    final = latest[i] = self.observe(out, final, name)
             except RequestError as e:
                 raise APIError(500, str(e), "server_error", code="request_failed") from e
             except EngineDeadError as e:
@@ -251,22 +278,22 @@ class Handler:
         return {"object": "usage", "group_by": group_by, "since": since, "tenant": tenant,
                 "data": [dataclasses.asdict(r) for r in rows]}
 
-    def observe(self, out: RequestOutput, previous: RequestOutput | None) -> RequestOutput:
+    def observe(self, out: RequestOutput, previous: RequestOutput | None, name: str | None = None) -> RequestOutput:
         """Per output event: inter-token latency (spread over the tokens the event carries), and the
         request's latency histograms once it finishes."""
         now = time.monotonic()
         new_tokens = sum(len(c.token_ids_delta) for c in out.outputs)
         last = self.last_output_time.get(out.request_id)
         if previous is not None and last is not None and new_tokens:
-            self.metrics.itl.labels(self.settings.served_model_name).observe((now - last) / new_tokens)
+            self.metrics.itl.labels(name or self.settings.served_model_name).observe((now - last) / new_tokens)
         self.last_output_time[out.request_id] = now
         if out.finished:
             self.last_output_time.pop(out.request_id, None)
-            self.record_finished(out)
+            self.record_finished(out, name)
         return out
 
-    def record_finished(self, out: RequestOutput) -> None:
-        name, m = self.settings.served_model_name, out.metrics
+    def record_finished(self, out: RequestOutput, name: str | None = None) -> None:
+        name, m = name or self.settings.served_model_name, out.metrics
         if m is not None:
             for hist, value in ((self.metrics.ttft, m.ttft), (self.metrics.e2e, m.e2e_latency),
                                 (self.metrics.queue, m.queue_time)):
@@ -278,11 +305,13 @@ class Handler:
             self.metrics.success.labels(name, str(c.finish_reason)).inc()
 
     async def stream(self, adds: list[AddRequest], settlement: Settlement, latest: dict[int, RequestOutput],
-                     render: type, include_usage: bool, echo: bool) -> AsyncIterator[str]:
+                     render: type, include_usage: bool, echo: bool, served: Served | None = None
+                     ) -> AsyncIterator[str]:
         """The SSE body: every prompt's engine stream read directly (each holds at most one pending
         output), never through a queue of its own. Closing it aborts whatever has not finished."""
-        model, created, request_id = self.settings.served_model_name, int(time.time()), settlement.request_id
-        gens = [self.engine.generate(a) for a in adds]
+        served = served or self.check_model(None)
+        model, created, request_id = served.name, int(time.time()), settlement.request_id
+        gens = [served.engine.generate(a) for a in adds]
         nexts: dict[asyncio.Future, int] = {}
         finals: dict[int, RequestOutput] = {}
         finished_choices: dict[int, set[int]] = {}  # per prompt, the choices whose finish was sent
@@ -303,7 +332,7 @@ class Handler:
                         return
                     if i not in latest:
                         settlement.reservation.leave_queue(i)
-                    latest[i] = self.observe(out, latest.get(i))
+                    latest[i] = self.observe(out, latest.get(i), model)
                     for chunk in render.delta_chunks(request_id, model, created, i, out,
                                                      frozenset(finished_choices.get(i, ()))):
                         yield sse(chunk, include_usage)

@@ -25,9 +25,10 @@ class Settlement:
     settling task, every later call awaits that same task, and cancelling a caller never cancels it."""
 
     def __init__(self, accounting: Accounting | None, pending: set[asyncio.Task], request_id: str,
-                 adds: list[AddRequest], reservation: Reservation) -> None:
-        """`pending`: the server's set of unfinished settlements (what shutdown waits for)."""
-        self.accounting, self.pending = accounting, pending
+                 adds: list[AddRequest], reservation: Reservation, model: str | None = None) -> None:
+        """`pending`: the server's set of unfinished settlements (what shutdown waits for); `model`: the
+        served model's name for its ledger row (None: the accounting's own)."""
+        self.accounting, self.pending, self.model = accounting, pending, model
         self.request_id, self.adds, self.reservation = request_id, adds, reservation
         self.task: asyncio.Task | None = None
 
@@ -46,7 +47,7 @@ class Settlement:
         try:
             if self.accounting is not None:
                 extra = await self.accounting.settle(self.request_id, [a.request_id for a in self.adds], finals,
-                                                     status, tenant=self.reservation.tenant)
+                                                     status, tenant=self.reservation.tenant, model=self.model)
         except Exception:  # noqa: BLE001 - the answer still goes out; the log says what went wrong
             logger.exception("settling request %s failed", self.request_id)
         finally:
