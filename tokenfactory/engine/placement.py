@@ -101,7 +101,9 @@ def place_model(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], *, device
 # ---------------------------------------------------------------------------------------------------
 # What placing will keep, counted before anything loads (the start-up check's weight bytes)
 
-_GGUF_SHAPE_FORMATS = {"Q8_0": ("int8", 32), "Q4_0": ("int4", 32), "Q4_1": ("int4", 32)}  # from_gguf_blocks's
+# from_gguf_blocks's mappings: ggml type -> (format, group, the row length it needs)
+_GGUF_SHAPE_FORMATS = {"Q8_0": ("int8", 32, 32), "Q4_0": ("int4", 32, 32), "Q4_1": ("int4", 32, 32),
+                       "Q4_K": ("int4", 32, 256), "Q6_K": ("int8", 16, 256)}
 
 
 def _meta_weight(kind: str, n: int, k: int, group: int) -> QuantizedWeight:
@@ -146,8 +148,8 @@ def _planned_formats(loaded: LoadedModel, scheme: str, paths: dict[str, list[str
         return {}
     known: dict[str, QuantizedWeight] = dict(loaded.quantized or {})
     for name, (type_name, _, shape) in (loaded.raw_gguf or {}).items():
-        if type_name in _GGUF_SHAPE_FORMATS and len(shape) == 2 and shape[1] % 32 == 0:
-            kind, group = _GGUF_SHAPE_FORMATS[type_name]
+        if type_name in _GGUF_SHAPE_FORMATS and len(shape) == 2 and shape[1] % _GGUF_SHAPE_FORMATS[type_name][2] == 0:
+            kind, group, _ = _GGUF_SHAPE_FORMATS[type_name]
             known[name] = _meta_weight(kind, shape[0], shape[1], group)
     planned = {}
     for path, names in paths.items():

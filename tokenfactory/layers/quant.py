@@ -2,9 +2,11 @@
 modules holding packed weights and scales; the model code never knows (gpt-fast's design).
 
     scheme "none"            nothing changes
-    scheme "auto"            a GGUF keeps its own quantization (Q4_0/Q4_1 -> int4 group 32, Q8_0 -> int8
-                             group 32, bit-exact codes), a file written by `tokenfactory quantize` keeps
-                             its scheme; anything else (HF folders, K-quants) stays dense
+    scheme "auto"            a GGUF keeps its own quantization (Q4_0/Q4_1/Q4_K -> int4 group 32, Q8_0 -> int8
+                             group 32, Q6_K -> int8 group 16, bit-exact codes; a fused layer whose parts
+                             mix types, as K-quant "_M" files do, stays dense), a file written by
+                             `tokenfactory quantize` keeps its scheme; anything else (HF folders, Q5_K,
+                             Q2_K/Q3_K, IQ types) stays dense
     scheme "int8"            symmetric int8, one scale per output channel
     scheme "int4[-gG]"       asymmetric int4, scale and zero point per group of G = 32 (default), 64, 128
 

@@ -1,5 +1,6 @@
 """Quantized weights as plain data: the int8 and int4 formats, quantizing float weights into them, and
-mapping GGUF's Q8_0 / Q4_0 / Q4_1 blocks onto them without a round trip through float.
+mapping GGUF's Q8_0 / Q4_0 / Q4_1 blocks and the Q4_K / Q6_K K-quants onto them without a round trip through
+float.
 
 Two canonical formats, device-independent, whatever kernel later runs them (quant.py packs them for one):
 
@@ -193,21 +194,68 @@ def q4_1_to_int4(blocks: np.ndarray, shape: tuple[int, ...]) -> Int4Weight:
     return Int4Weight(_nibbles(b[..., 4:]), _fp16(b[..., :2]), _fp16(b[..., 2:4]))
 
 
-# ggml type name -> exact mapping. Other types (K-quants, IQ*, ...) have no exact counterpart here: they
-# stay dequantized, or are requantized when a scheme is asked for.
-GGUF_TYPE_TO_FORMAT: dict[str, Callable[[np.ndarray, tuple[int, ...]], QuantizedWeight]] = {
-    "Q8_0": q8_0_to_int8,
-    "Q4_0": q4_0_to_int4,
-    "Q4_1": q4_1_to_int4,
+# K-quants (ggml-common.h), super-blocks of 256 weights:
+#   Q4_K: d | dmin | scales[12] (eight 6-bit scales sc and mins m) | qs[128]: 8 sub-blocks of 32,
+#         sub-block 2c in the low nibbles of qs[32c:32c+32], 2c+1 in their high nibbles
+#                                             w = (d * sc) * q - (dmin * m)     -> int4, groups of 32
+#   Q6_K: ql[128] | qh[64] | scales[16] int8 | d: 16 sub-blocks of 16, q = low 4 bits | 2 high bits << 4
+#                                             w = (d * scale) * (q - 32)        -> int8, groups of 16
+# d * sc (an 11-bit mantissa times a 6- or 8-bit integer) is exact in float32, so both dequantize to the
+# very values gguf.quants gives. Q5_K (5-bit codes with mins) has no exact counterpart in these formats: it
+# stays dense (or is requantized when a scheme is asked for), as do Q2_K, Q3_K and the IQ types.
+QK_K = 256
+
+
+def _k_blocks(blocks: np.ndarray, shape: tuple[int, ...], block_bytes: int) -> np.ndarray:
+    n, k = shape
+    return np.ascontiguousarray(blocks).reshape(n * (k // QK_K), block_bytes)  # (N * K/256, bytes)
+
+
+def q4_k_to_int4(blocks: np.ndarray, shape: tuple[int, ...]) -> Int4Weight:
+    from gguf.quants import Q4_K  # the 6-bit scale/min unpacking, as the reference dequantizer does it
+
+    n, k = shape
+    b = _k_blocks(blocks, shape, 144)
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)  # (B, 1)
+    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = Q4_K.get_scale_min(b[:, 4:16])  # (B, 8) each
+    qs = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    codes = torch.from_numpy((qs & 0x0F).reshape(n, k))  # sub-block order: (chunk, nibble, 32)
+    scale = torch.from_numpy((d * sc.astype(np.float32)).reshape(n, k // 32))
+    offset = torch.from_numpy(-(dmin * m.astype(np.float32)).reshape(n, k // 32))
+    return Int4Weight(codes, scale, offset)
+
+
+def q6_k_to_int8(blocks: np.ndarray, shape: tuple[int, ...]) -> Int8Weight:
+    n, k = shape
+    b = _k_blocks(blocks, shape, 210)
+    ql = b[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    ql = (ql & 0x0F).reshape(-1, 8, 32)
+    qh = b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    qh = (qh & 0x03).reshape(-1, 8, 32)
+    q = ((ql | (qh << 4)).astype(np.int16) - 32).astype(np.int8)  # (B, 8, 32) in [-32, 31]
+    d = b[:, 208:210].copy().view(np.float16).astype(np.float32)  # (B, 1)
+    scale = d * b[:, 192:208].copy().view(np.int8).astype(np.float32)  # (B, 16)
+    return Int8Weight(torch.from_numpy(q.reshape(n, k)), torch.from_numpy(scale.reshape(n, k // 16)))
+
+
+# ggml type name -> (exact mapping, the row length it needs). Other types (Q5_K, Q2_K, Q3_K, IQ*, ...) have
+# no exact counterpart here: they stay dequantized, or are requantized when a scheme is asked for.
+GGUF_TYPE_TO_FORMAT: dict[str, tuple[Callable[[np.ndarray, tuple[int, ...]], QuantizedWeight], int]] = {
+    "Q8_0": (q8_0_to_int8, GGUF_BLOCK),
+    "Q4_0": (q4_0_to_int4, GGUF_BLOCK),
+    "Q4_1": (q4_1_to_int4, GGUF_BLOCK),
+    "Q4_K": (q4_k_to_int4, QK_K),
+    "Q6_K": (q6_k_to_int8, QK_K),
 }
 
 
 def from_gguf_blocks(type_name: str, blocks: np.ndarray, shape: tuple[int, ...]) -> QuantizedWeight | None:
     """Our format for a GGUF matrix stored as `type_name`, or None if there is no exact mapping."""
-    convert = GGUF_TYPE_TO_FORMAT.get(type_name)
-    if convert is None or len(shape) != 2 or shape[1] % GGUF_BLOCK:
+    entry = GGUF_TYPE_TO_FORMAT.get(type_name)
+    if entry is None or len(shape) != 2 or shape[1] % entry[1]:
         return None
-    return convert(blocks, shape)
+    return entry[0](blocks, shape)
 
 
 # ---------------------------------------------------------------------------------------------------

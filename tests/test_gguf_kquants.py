@@ -1,0 +1,65 @@
+"""GGUF K-quants kept packed (#18): Q4_K blocks map onto int4 (groups of 32, a scale and a min each) and Q6_K
+onto int8 (groups of 16) exactly: tiny GGUF files of each type written with the gguf library dequantize,
+through our formats, to the very bits of gguf.quants' reference dequantization; Q5_K has no exact mapping
+and stays dense. A Q4_K file served with quantization "auto" keeps its codes on the packed int4 kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.reference import tiny_gguf_file
+from tokenfactory.config import EngineConfig
+from tokenfactory.engine.engine import LLMEngine
+from tokenfactory.engine.placement import planned_weight_bytes
+from tokenfactory.layers.quant_formats import Int4Weight, Int8Weight, from_gguf_blocks
+from tokenfactory.models.loader import load_model
+from tokenfactory.types import SamplingParams
+
+SHAPES = dict(hidden_size=256, intermediate_size=512, num_heads=8, num_kv_heads=2)  # rows of 256: one super-block
+
+
+@pytest.fixture(scope="module", params=["Q4_K", "Q6_K", "Q5_K"])
+def kquant(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param) / f"tiny.{request.param}.gguf"
+    expected = tiny_gguf_file(path, "llama", ggml_type=request.param, **SHAPES)
+    return request.param, load_model(path), expected
+
+
+def test_blocks_dequantize_to_the_reference_bits(kquant):
+    type_name, loaded, expected = kquant
+    assert loaded.raw_gguf
+    for name, (stored_type, blocks, shape) in loaded.raw_gguf.items():
+        assert stored_type == type_name
+        mapped = from_gguf_blocks(stored_type, blocks, shape)
+        if type_name == "Q5_K":
+            assert mapped is None  # no exact counterpart: served dense (or requantized on request)
+            continue
+        assert isinstance(mapped, Int4Weight if type_name == "Q4_K" else Int8Weight)
+        assert mapped.group_size == (32 if type_name == "Q4_K" else 16)
+        # The loader's weights are gguf.quants.dequantize of the same blocks (rows in HF order): bit-exact.
+        assert torch.equal(mapped.dequantize(), loaded.weights[name]), name
+        assert torch.equal(mapped.dequantize(), expected[name]), name
+        codes = mapped.q.to(torch.int16)
+        assert (codes >= 0).all() and (codes <= 15).all() if type_name == "Q4_K" else \
+            (codes >= -32).all() and (codes <= 31).all()
+
+
+def test_a_q4_k_file_keeps_its_codes_on_the_int4_kernel(kquant):
+    type_name, loaded, _ = kquant
+    engine = LLMEngine(EngineConfig(quantization="auto", kv_cache_memory=4 << 20, max_model_len=128), loaded)
+    formats = set(engine.quant_summary.path_to_format.values())
+    if type_name == "Q4_K":
+        # Every decoder linear layer: the file's own codes and scales, on the packed int4 kernel.
+        assert engine.quant_summary.num_quantized_layers >= 4 * loaded.config.num_layers
+        assert formats == {"int4-g32 via cpu-int4pack (packed for <= 12 rows)"}, formats
+    elif type_name == "Q6_K":
+        # Exact int8 groups of 16 have no packed CPU kernel (torch's int4 planes need groups of 32+): dense path.
+        assert formats and all(f.startswith("int8-g16 via none") for f in formats), formats
+    else:
+        assert not formats
+    # What the start-up check counts for this file is what the engine keeps (RoPE tables aside).
+    rope = engine.max_model_len * loaded.config.head_dim * 4
+    assert engine.weight_bytes - rope == planned_weight_bytes(loaded, engine.config, engine.device, engine.dtype)
+    rid = engine.add_request(list(range(40, 70)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert len(engine.run_to_completion([rid])[rid].outputs[0].token_ids) == 8
