@@ -262,3 +262,16 @@ def test_the_fleet_gateway_shows_one_view_per_replica(tmp_path):
     assert [r["name"] for r in busy["replicas"]] == ["r0", "r1"]
     assert busy["tokens_out_s"] == pytest.approx(sum(r["tokens_out_s"] for r in busy["replicas"]))
     assert sum(r["tokens_out_s"] > 0 for r in busy["replicas"]) >= 1
+
+
+def test_the_page_and_the_chart_library_ship_in_the_wheel():
+    """pyproject's package-data names every file the dashboard serves (users have no CDN and no build step)."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    patterns = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"]["tokenfactory"]
+    for name in ("dashboard.html", *STATIC_FILES):
+        relative = f"gateway/static/{name}"
+        assert (STATIC_DIR / name).is_file() and any(fnmatch.fnmatch(relative, p) for p in patterns), relative
