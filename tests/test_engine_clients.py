@@ -101,6 +101,29 @@ def test_greedy_tokens_equal_the_engines(client, expected) -> None:
         time.sleep(0.02)
 
 
+def test_text_logprobs_and_stop_strings_equal_the_engines(client, config) -> None:
+    """Across a process boundary only deltas travel (engine/worker.py's compact_output): the rebuilt text,
+    token ids and logprobs, and a stop string's held-back text, must be the engine's own."""
+    engine = LLMEngine(config)
+    probe = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    rid = engine.add_request(PROMPTS[2], probe)
+    whole = engine.run_to_completion([rid])[rid].outputs[0]
+    stop = whole.text[len(whole.text) // 2:][:3]
+    params = [probe, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=(stop,))]
+    ids = [engine.add_request(PROMPTS[2], p) for p in params[1:]]
+    expected = [whole, *(engine.run_to_completion(ids)[i].outputs[0] for i in ids)]
+
+    async def main() -> list:
+        return await asyncio.gather(*[final(client, add(f"t{i}", PROMPTS[2], p)) for i, p in enumerate(params)])
+    for out, want in zip(asyncio.run(main()), expected, strict=True):
+        got = out.outputs[0]
+        assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, want.finish_reason)
+        assert out.prompt_token_ids == PROMPTS[2]
+        assert [[(lp.token_id, round(lp.logprob, 4)) for lp in e] for e in got.logprobs or []] == \
+            [[(lp.token_id, round(lp.logprob, 4)) for lp in e] for e in want.logprobs or []]
+    assert expected[1].finish_reason == "stop"
+
+
 def test_leaving_early_aborts_and_frees_the_blocks(client) -> None:
     async def main() -> None:
         gen = client.generate(add("a", PROMPTS[2], SamplingParams(max_tokens=200, ignore_eos=True)))

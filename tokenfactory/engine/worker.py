@@ -12,6 +12,7 @@ The engine must be built on the thread that calls `serve_worker` (AsyncEngine.la
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 
@@ -77,11 +78,23 @@ class EngineWorker:
         return outputs, failures
 
 
+def compact_output(out: RequestOutput, first: bool) -> RequestOutput:
+    """What crosses the process boundary: the deltas, not the whole state again every step (a step of 32
+    sequences at 130 + 128 tokens pickles 38 kB whole; the lists grow with every token). The prompt goes with
+    a request's first output, the full text with its last (text held back for a stop string is in neither
+    delta); the receiver rebuilds the rest from the deltas (fleet/remote.py)."""
+    outputs = [dataclasses.replace(c, text=c.text if c.finished else "", token_ids=[], logprobs=None)
+               for c in out.outputs]
+    return dataclasses.replace(out, outputs=outputs, prompt=out.prompt if first else None,
+                               prompt_token_ids=out.prompt_token_ids if first else [])
+
+
 def serve_worker(engine: LLMEngine, recv: Callable[[float | None], list[Message]],
                  emit: Callable[[WorkerEvents], None]) -> None:
     """Step `engine` until a `Shutdown` arrives (or the engine breaks: the last batch says why).
     `recv(timeout)` returns the messages that arrived (waiting up to `timeout` s for one; 0: none waited for)."""
     worker = EngineWorker(engine)
+    sent: set[str] = set()  # requests whose first output went out
     steps: list[StepStats] = []
     engine.step_listeners.append(steps.append)
     try:
@@ -91,13 +104,24 @@ def serve_worker(engine: LLMEngine, recv: Callable[[float | None], list[Message]
             for msg in recv(0.0 if busy else HEARTBEAT_S):
                 if isinstance(msg, Shutdown):
                     return
+                if isinstance(msg, AbortRequest):
+                    sent.discard(msg.request_id)
                 if (failure := worker.apply(msg)) is not None:
                     failures.append(failure)
             outputs: list[RequestOutput] = []
             if engine.has_unfinished_requests:
                 outputs, failed = worker.step()
                 failures += failed
-            emit(WorkerEvents(tuple(outputs), tuple(failures), tuple(steps), engine.stats()))
+            compact = []
+            for out in outputs:
+                compact.append(compact_output(out, out.request_id not in sent))
+                if out.finished:
+                    sent.discard(out.request_id)
+                else:
+                    sent.add(out.request_id)
+            for request_id, _ in failures:
+                sent.discard(request_id)
+            emit(WorkerEvents(tuple(compact), tuple(failures), tuple(steps), engine.stats()))
             steps.clear()
     except Exception as e:  # the engine itself is broken: say so once, then stop
         logger.exception("engine worker crashed")

@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from tokenfactory.engine.client import (
@@ -66,6 +67,32 @@ class Transport(Protocol):
         ...
 
 
+@dataclass
+class _Whole:
+    """A request's state rebuilt from the worker's deltas (engine/worker.py's compact_output)."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    index_to_ids: dict[int, list[int]] = field(default_factory=dict)
+    index_to_text: dict[int, str] = field(default_factory=dict)
+    index_to_logprobs: dict[int, list] = field(default_factory=dict)
+
+    def rebuild(self, out: RequestOutput) -> RequestOutput:
+        outputs = []
+        for c in out.outputs:
+            ids = self.index_to_ids.setdefault(c.index, [])
+            ids.extend(c.token_ids_delta)
+            text = c.text if c.finished else self.index_to_text.get(c.index, "") + c.text_delta
+            self.index_to_text[c.index] = text
+            logprobs = None
+            if c.logprobs_delta is not None:
+                logprobs = self.index_to_logprobs.setdefault(c.index, [])
+                logprobs.extend(c.logprobs_delta)
+                logprobs = list(logprobs)
+            outputs.append(dataclasses.replace(c, text=text, token_ids=list(ids), logprobs=logprobs))
+        return dataclasses.replace(out, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids, outputs=outputs)
+
+
 class RemoteEngine:
     """An EngineClient over a Transport (see the module's docstring)."""
 
@@ -76,6 +103,7 @@ class RemoteEngine:
         self.facts = dict(ready.facts)
         self.hang_timeout_s = hang_timeout_s
         self.streams: dict[str, tuple[asyncio.AbstractEventLoop, OutputStream]] = {}
+        self._wholes: dict[str, _Whole] = {}  # the receiver's; a closing stream pops its own (atomic)
         self.step_listeners: list[Callable[[StepStats], None]] = []
         self.finish_listeners: list[Callable[[RequestOutput], None]] = []
         self._lock = threading.Lock()  # streams: added by the event loop, read by the receiver
@@ -154,6 +182,7 @@ class RemoteEngine:
         def close(finished: bool) -> None:
             with self._lock:
                 known = self.streams.pop(request.request_id, None) is not None
+            self._wholes.pop(request.request_id, None)
             if known and not finished:
                 self.send(AbortRequest(request.request_id))
 
@@ -187,8 +216,15 @@ class RemoteEngine:
             self._stats = batch.stats
             self._num_in_flight_adds = 0
         for request_id, reason in batch.failures:
+            self._wholes.pop(request_id, None)
             self._deliver(request_id, RequestFailed(request_id, reason))
-        for out in batch.outputs:
+        for compact in batch.outputs:
+            whole = self._wholes.get(compact.request_id)
+            if whole is None:
+                whole = self._wholes[compact.request_id] = _Whole(compact.prompt, compact.prompt_token_ids)
+            out = whole.rebuild(compact)
+            if out.finished:
+                del self._wholes[out.request_id]
             self._deliver(out.request_id, out)
             if out.finished:
                 for listener in self.finish_listeners:
@@ -201,6 +237,7 @@ class RemoteEngine:
             target = self.streams.get(request_id)
         if target is None:
             if isinstance(item, RequestOutput) and not item.finished:
+                self._wholes.pop(request_id, None)
                 self.send(AbortRequest(request_id))  # nobody is listening any more
             return
         loop, stream = target
