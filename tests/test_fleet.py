@@ -327,3 +327,18 @@ def test_backend_stream_counts_come_from_its_usage_or_our_tokenizer() -> None:
     assert final.num_completion_tokens == 3 and final.tokens_source == "backend"
     _, final = feed(chunks)  # no usage sent: our tokenizer counts the text (6 byte tokens), and says so
     assert final.num_completion_tokens == 6 and final.tokens_source == "tokenizer"
+
+
+def test_a_backends_own_queue_counts_as_outstanding_work() -> None:
+    """An external server's /metrics may show requests that did not come through us: least-work sees them."""
+    from tokenfactory.fleet.backend import BackendMetrics, HTTPBackend
+
+    fake = FakeEngineClient()
+    backend = HTTPBackend("b0", "http://127.0.0.1:9", "m", fake.info, fake.tokenizer)
+    backend.metrics = BackendMetrics(num_running=6, num_waiting=4, kv_cache_usage=0.5)
+    replica = Replica("b0", backend, "backend")
+    v = replica.view("m")
+    assert (v.num_running, v.num_waiting, v.outstanding_tokens) == (6, 4, 10 * 256)
+    assert backend.stats().kv_cache_usage == pytest.approx(0.5)
+    local = Replica("r0", fake, "local")
+    assert LeastWork().choose(req([1] * 8), [v, local.view("m")]).replica_id == "r0"

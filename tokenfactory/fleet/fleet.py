@@ -38,7 +38,15 @@ from tokenfactory.engine.client import (
     RequestError,
     SetTenantWeight,
 )
-from tokenfactory.fleet.router import ReplicaView, RouteDecision, RouteRequest, RoutingPolicy, StepModel, make_router
+from tokenfactory.fleet.router import (
+    EXPECTED_OUTPUT_TOKENS,
+    ReplicaView,
+    RouteDecision,
+    RouteRequest,
+    RoutingPolicy,
+    StepModel,
+    make_router,
+)
 from tokenfactory.types import RequestOutput, StepStats
 
 if TYPE_CHECKING:
@@ -75,9 +83,12 @@ class Replica:
 
     def view(self, model: str) -> ReplicaView:
         s = self.client.stats()
-        return ReplicaView(self.replica_id, model, s.num_running, s.num_waiting, s.max_num_seqs,
-                           sum(self.request_id_to_tokens.values()), len(self.request_id_to_tokens),
-                           self.idle_watts, self.busy_watts, self.step_model)
+        outstanding = sum(self.request_id_to_tokens.values())
+        if self.kind == "backend":  # its /metrics may show work that did not come through us: count it too
+            foreign = s.num_running + s.num_waiting - len(self.request_id_to_tokens)
+            outstanding += max(foreign, 0) * EXPECTED_OUTPUT_TOKENS
+        return ReplicaView(self.replica_id, model, s.num_running, s.num_waiting, s.max_num_seqs, outstanding,
+                           len(self.request_id_to_tokens), self.idle_watts, self.busy_watts, self.step_model)
 
 
 @dataclass(frozen=True)
