@@ -59,3 +59,12 @@ def test_loading_the_real_model_shows_a_bar_only_on_a_terminal():
     assert "loading weights" in shown
     piped = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean_env(), timeout=300)
     assert piped.returncode == 0 and "loading weights" not in piped.stderr
+
+
+def test_simulate_shows_a_bar_only_on_a_terminal():
+    code = ("import sys\nfrom tokenfactory.cli import main\n"
+            "sys.exit(main(['simulate', '--duration', '60', '--rate', '2', '--replicas', '1,2']))")
+    shown = run_with_stderr_on_a_terminal(code, clean_env())
+    assert "simulating" in shown
+    piped = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean_env(), timeout=300)
+    assert piped.returncode == 0 and "simulating" not in piped.stderr and "$/Mtok" in piped.stdout

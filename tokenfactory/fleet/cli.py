@@ -142,12 +142,14 @@ def runs(args: argparse.Namespace) -> list[tuple[str, Any]]:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from tokenfactory.fleet.simulator import Simulation
+    from tokenfactory.progress import track
 
     trace = build_trace(args)
     if not trace:
         raise ValueError("the trace has no requests")
     results = []
-    for label, config in runs(args):
+    planned = runs(args)
+    for label, config in track(planned, f"simulating {len(trace):,} requests", total=len(planned)):
         t0 = time.perf_counter()
         result = Simulation(config, trace).run()
         results.append((label, result, time.perf_counter() - t0))
