@@ -342,3 +342,21 @@ def test_a_backends_own_queue_counts_as_outstanding_work() -> None:
     assert backend.stats().kv_cache_usage == pytest.approx(0.5)
     local = Replica("r0", fake, "local")
     assert LeastWork().choose(req([1] * 8), [v, local.view("m")]).replica_id == "r0"
+
+
+def test_auth_applies_the_tenants_priorities_and_weights_without_another_flag() -> None:
+    import argparse
+
+    from tokenfactory.gateway.cli import register, scheduling_policy
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    assert scheduling_policy(parser.parse_args(["serve", "--auth"])) == "vtc"
+    assert scheduling_policy(parser.parse_args(["serve"])) == "fcfs"
+    assert scheduling_policy(parser.parse_args(["serve", "--auth", "--scheduling-policy", "fcfs"])) == "fcfs"
+    args = parser.parse_args(["serve", "--replicas", "2", "--backend", "http://127.0.0.1:9/v1,model=m,device=h100",
+                              "--fleet-model", "x.gguf,name=x,replicas=2", "--router", "prefix"])
+    assert args.backend[0].model == "m" and args.backend[0].device == "h100" and args.fleet_model[0].replicas == 2
+    for bad in (["--backend", "ftp://x"], ["--backend", "http://x,colour=red"], ["--fleet-model", "x,replicas=0"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", *bad])
