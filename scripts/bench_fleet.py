@@ -8,6 +8,7 @@ On 2 cores the replicas share the CPU, so fleet throughput is not the figure. Wh
   2. the routing decision alone: `RoutingPolicy.choose` per policy, 2..64 replicas, 512-token prompts.
   3. prefix-hit rate by policy: 2 local replicas, a shared-prefix workload (4 system prompts of ~400 tokens,
      48 requests, 4 in flight), the fleet's prefix-cache hits over queries from /metrics.
+  4. joules per output token by router at low load (2 streams on 2 replicas), from the responses' usage.
 
     python scripts/bench_fleet.py [--out results/bench-fleet.json] [--requests 60]
 """
@@ -138,6 +139,34 @@ def prefix_hit_rates(tmp: Path) -> dict:
     return {"replicas": 2, "num_prefixes": 4, "num_requests": 48, "concurrency": 4, "by_router": result}
 
 
+def energy_by_router(tmp: Path) -> dict:
+    """Low load (2 streams) on 2 local replicas: joules per output token as the ledger has them, by router.
+    The source is this machine's (modelled here: TDP x (0.1 + 0.9 load^3)), so say which."""
+    rng = random.Random(3)
+    result = {}
+    for router in ("least-work", "energy"):
+        server = start_server(tmp / f"energy-{router}", "--replicas", "2", "--router", router, timeout=300)
+        try:
+            async def load() -> list[dict]:
+                sem = asyncio.Semaphore(2)
+                async with httpx.AsyncClient(timeout=120) as http:
+                    async def one() -> dict:
+                        async with sem:
+                            body = {"prompt": prompt(rng, 40), "max_tokens": 48, "ignore_eos": True}
+                            return (await http.post(server.url + "/v1/completions", json=body)).json()["usage"]
+                    return await asyncio.gather(*[one() for _ in range(16)])
+            usages = asyncio.run(load())
+            joules = sum(u["energy_joules"] for u in usages if u.get("energy_joules") is not None)
+            tokens = sum(u["completion_tokens"] for u in usages)
+            replicas = httpx.get(server.url + "/fleet/replicas").json()["data"]
+            result[router] = {"joules_per_output_token": round(joules / tokens, 5), "energy_source":
+                              sorted({u.get("energy_source") for u in usages}),
+                              "routed": {r["replica_id"]: r["num_routed"] for r in replicas}}
+        finally:
+            server.stop()
+    return {"replicas": 2, "concurrency": 2, "num_requests": 16, "output_tokens": 48, "by_router": result}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(ROOT / "results" / "bench-fleet.json"))
@@ -145,14 +174,15 @@ def main() -> int:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        for sub in ("backend", "gateway", "least-work", "prefix"):
+        for sub in ("backend", "gateway", "least-work", "prefix", "energy-least-work", "energy-energy"):
             (tmp / sub).mkdir()
         result = {"machine": {"cpu": platform.processor() or _cpu(), "num_cpus": os.cpu_count()},
                   "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                         cwd=ROOT).stdout.strip(),
                   "routing_overhead": routing_overhead(tmp, args.requests),
                   "decision": decision_time(),
-                  "prefix": prefix_hit_rates(tmp)}
+                  "prefix": prefix_hit_rates(tmp),
+                  "energy": energy_by_router(tmp)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
