@@ -86,7 +86,8 @@ def routing_overhead(tmp: Path, num_requests: int) -> dict:
         backend.stop()
     p50_direct, p50_through = statistics.median(direct), statistics.median(through)
     return {"num_requests": num_requests, "prompt_words": 60, "max_tokens": 2,
-            "ttft_p50_direct_ms": round(p50_direct * 1e3, 2), "ttft_p50_through_gateway_ms": round(p50_through * 1e3, 2),
+            "ttft_p50_direct_ms": round(p50_direct * 1e3, 2),
+            "ttft_p50_through_gateway_ms": round(p50_through * 1e3, 2),
             "added_ttft_p50_ms": round((p50_through - p50_direct) * 1e3, 2),
             "ttft_p90_direct_ms": round(statistics.quantiles(direct, n=10)[-1] * 1e3, 2),
             "ttft_p90_through_gateway_ms": round(statistics.quantiles(through, n=10)[-1] * 1e3, 2)}
@@ -121,15 +122,15 @@ def prefix_hit_rates(tmp: Path) -> dict:
             q0 = read_metric(server.url, "tokenfactory:prefix_cache_queries_total")
             h0 = read_metric(server.url, "tokenfactory:prefix_cache_hits_total")
 
-            async def load() -> list[float]:
+            async def load(url: str) -> list[float]:
                 sem, ttfts = asyncio.Semaphore(4), []
                 async with httpx.AsyncClient(timeout=120) as http:
                     async def one(i: int) -> None:
                         async with sem:
-                            ttfts.append(await ttft(http, server.url, prefixes[i % 4] + f" Question {i}: why?"))
+                            ttfts.append(await ttft(http, url, prefixes[i % 4] + f" Question {i}: why?"))
                     await asyncio.gather(*[one(i) for i in range(48)])
                 return ttfts
-            ttfts = asyncio.run(load())
+            ttfts = asyncio.run(load(server.url))
             queries = read_metric(server.url, "tokenfactory:prefix_cache_queries_total") - q0
             hits = read_metric(server.url, "tokenfactory:prefix_cache_hits_total") - h0
             result[router] = {"prefix_hit_rate": round(hits / queries, 4), "prompt_tokens": int(queries),
@@ -147,15 +148,15 @@ def energy_by_router(tmp: Path) -> dict:
     for router in ("least-work", "energy"):
         server = start_server(tmp / f"energy-{router}", "--replicas", "2", "--router", router, timeout=300)
         try:
-            async def load() -> list[dict]:
+            async def load(url: str) -> list[dict]:
                 sem = asyncio.Semaphore(2)
                 async with httpx.AsyncClient(timeout=120) as http:
                     async def one() -> dict:
                         async with sem:
                             body = {"prompt": prompt(rng, 40), "max_tokens": 48, "ignore_eos": True}
-                            return (await http.post(server.url + "/v1/completions", json=body)).json()["usage"]
+                            return (await http.post(url + "/v1/completions", json=body)).json()["usage"]
                     return await asyncio.gather(*[one() for _ in range(16)])
-            usages = asyncio.run(load())
+            usages = asyncio.run(load(server.url))
             joules = sum(u["energy_joules"] for u in usages if u.get("energy_joules") is not None)
             tokens = sum(u["completion_tokens"] for u in usages)
             replicas = httpx.get(server.url + "/fleet/replicas").json()["data"]
