@@ -323,6 +323,9 @@ class Fleet:
             replica.state, replica.down_reason, replica.down_since = "down", f"restart failed: {e}", time.monotonic()
             replica.num_restarts += 1
             return
+        if self._stop.is_set():  # the fleet shut down while this replica was starting
+            client.shutdown()
+            return
         replica.client, replica.num_restarts = client, replica.num_restarts + 1
         self._attach(replica)
         client.start()
