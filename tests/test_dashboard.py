@@ -132,8 +132,27 @@ def test_the_page_and_its_vendored_files_are_served_and_nothing_else(gw):
 
 
 def test_without_auth_only_loopback_may_watch():
+    """The app (no --auth) called as if from another machine: the page itself is static, its data refused."""
+    import asyncio
+
+    from tokenfactory.gateway.app import ServerSettings, build_app
+
     assert is_loopback("127.0.0.1") and is_loopback("::1") and not is_loopback("10.0.0.7")
-    assert not is_loopback("example.org")
+    assert not is_loopback("example.org") and not is_loopback("testclient")
+    app = build_app(FakeEngineClient(), ServerSettings(served_model_name="fake-tiny"))
+
+    async def get(path: str, client: tuple[str, int]) -> httpx.Response:
+        transport = httpx.ASGITransport(app=app, client=client)
+        async with httpx.AsyncClient(transport=transport, base_url="http://server") as c:
+            return await c.get(path)
+
+    try:
+        remote = asyncio.run(get("/dashboard/events", ("10.0.0.7", 5555)))
+        assert remote.status_code == 403 and remote.json()["error"]["code"] == "loopback_only"
+        assert "--auth" in remote.json()["error"]["message"]
+        assert asyncio.run(get("/dashboard", ("10.0.0.7", 5555))).status_code == 200
+    finally:
+        app.state.dashboard.close()
 
 
 @pytest.fixture(scope="module")

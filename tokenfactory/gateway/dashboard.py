@@ -137,7 +137,7 @@ def is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
-        return host in ("localhost", "testclient")
+        return host == "localhost"
 
 
 def install(app: FastAPI, engine: EngineClient, metrics: ServerMetrics, accounting: Accounting | None,
