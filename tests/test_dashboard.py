@@ -294,3 +294,30 @@ def test_the_page_and_the_chart_library_ship_in_the_wheel():
     for name in ("dashboard.html", *STATIC_FILES):
         relative = f"gateway/static/{name}"
         assert (STATIC_DIR / name).is_file() and any(fnmatch.fnmatch(relative, p) for p in patterns), relative
+
+
+def test_admin_pages_share_one_ledger_read_per_interval():
+    import asyncio
+    from types import SimpleNamespace
+
+    from tokenfactory.gateway.dashboard import Dashboard
+    from tokenfactory.gateway.metrics import ServerMetrics
+
+    now = [100.0]
+    engine = FakeEngineClient()
+    dashboard = Dashboard(engine, ServerMetrics(engine, "m"), None, SimpleNamespace(), tenants_interval_s=5.0,
+                          rollup_interval_s=None, clock=lambda: now[0])
+    calls = []
+    dashboard.tenant_view = lambda: calls.append(now[0]) or {"tenants": [], "recent": [], "n": len(calls)}
+
+    async def three_pages() -> list[dict]:
+        return list(await asyncio.gather(*(dashboard.shared_tenant_view() for _ in range(3))))
+
+    try:
+        assert [v["n"] for v in asyncio.run(three_pages())] == [1, 1, 1]
+        now[0] += 2.0
+        assert asyncio.run(dashboard.shared_tenant_view())["n"] == 1  # still fresh
+        now[0] += 3.0
+        assert asyncio.run(dashboard.shared_tenant_view())["n"] == 2 and calls == [100.0, 105.0]
+    finally:
+        dashboard.close()

@@ -22,7 +22,8 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import ipaddress
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,9 +51,14 @@ NUM_RECENT_REQUESTS = 20
 class Dashboard:
     def __init__(self, engine: EngineClient, metrics: ServerMetrics, accounting: Accounting | None,
                  tenancy: Tenancy, *, interval_s: float = 1.0, tenants_interval_s: float = 5.0,
-                 send_timeout_s: float = 10.0, rollup_interval_s: float | None = 60.0) -> None:
+                 send_timeout_s: float = 10.0, rollup_interval_s: float | None = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.accounting, self.tenancy = accounting, tenancy
         self.tenants_interval_s, self.send_timeout_s = tenants_interval_s, send_timeout_s
+        # One ledger read per interval however many admin pages are open: they share the latest view.
+        self._tenants_lock = asyncio.Lock()
+        self._tenants_view: tuple[float, dict[str, Any]] | None = None
+        self._clock = clock
         self.feed = DashboardFeed(engine, metrics.ttft, metrics.itl, accounting.meter if accounting else None,
                                   interval_s=interval_s).start()
         self.recorder: UtilisationRecorder | None = None
@@ -92,11 +98,19 @@ class Dashboard:
         while True:
             if admin and loop.time() >= next_tenants:
                 next_tenants = loop.time() + self.tenants_interval_s
-                yield sse({"type": "tenants", **await asyncio.to_thread(self.tenant_view)})
+                yield sse({"type": "tenants", **await self.shared_tenant_view()})
             await asyncio.sleep(self.feed.interval_s / 2)
             seq, points = self.feed.points_after(seq)
             for point in points:
                 yield sse({"type": "point", "point": point})
+
+    async def shared_tenant_view(self) -> dict[str, Any]:
+        """tenant_view, read on a worker thread at most once per `tenants_interval_s` for all pages."""
+        async with self._tenants_lock:
+            cached, now = self._tenants_view, self._clock()
+            if cached is None or now - cached[0] >= self.tenants_interval_s * 0.9:
+                cached = self._tenants_view = (now, await asyncio.to_thread(self.tenant_view))
+            return cached[1]
 
     def tenant_view(self) -> dict[str, Any]:
         """This month's usage per tenant with its budget left, and the last requests (a thread's work: it
