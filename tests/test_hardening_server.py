@@ -103,7 +103,7 @@ class SlowAccounting:
         self.calls = 0
         self.release = threading.Event()
 
-    async def settle(self, request_id, engine_ids, finals, status, tenant="anonymous") -> dict:
+    async def settle(self, request_id, engine_ids, finals, status, tenant="anonymous", model=None) -> dict:
         self.calls += 1
         while not self.release.is_set():
             await asyncio.sleep(0.01)
