@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tokenfactory.gateway.compression import CompressionOptions
 from tokenfactory.types import (
     INT64_MAX,
     INT64_MIN,
@@ -137,6 +138,13 @@ class ChatCompletionRequest(_SamplingFields):
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
     add_generation_prompt: bool = True
+    # Opt-in: summarize the oldest turns when the chat would not fit the context (gateway/compression.py).
+    context_compression: CompressionOptions | None = None
+
+    def messages_as_dicts(self) -> list[dict]:
+        """Each message as the chat template takes it: role, text content, and any extra string fields."""
+        return [{**{k: v for k, v in (m.model_extra or {}).items() if isinstance(v, str)}, "role": m.role,
+                 "content": m.text()} for m in self.messages]
 
     def check_supported(self) -> None:
         if not self.messages:

@@ -25,6 +25,7 @@ from tokenfactory.gateway.accounting import Accounting
 from tokenfactory.gateway.admin import Tenancy
 from tokenfactory.gateway.admission import Reservation
 from tokenfactory.gateway.batch import BatchSettings
+from tokenfactory.gateway.compression import compress_chat
 from tokenfactory.gateway.errors import APIError
 from tokenfactory.gateway.metrics import ServerMetrics
 from tokenfactory.gateway.protocol import (
@@ -150,8 +151,15 @@ class Handler:
         body.sampling_params(max_tokens, logprobs)  # cheap checks before tokenizing anything
         text, ids = await asyncio.to_thread(self.chat_prompt, messages, body.add_generation_prompt,
                                             served.engine.tokenizer)
+        compression = None
+        if body.context_compression is not None:  # opt-in: the oldest turns summarized if the chat won't fit
+            compression = await compress_chat(self, served, body, messages, max_tokens, request)
+            if compression is not None:
+                text, ids = await asyncio.to_thread(self.chat_prompt, compression.messages,
+                                                    body.add_generation_prompt, served.engine.tokenizer)
         prepared = [self.prepare(body, text, ids, max_tokens, logprobs, served)]
-        return await self.serve(body, prepared, request, "chat.completion", served=served)
+        return await self.serve(body, prepared, request, "chat.completion", served=served,
+                                usage_extra=compression.usage_fields() if compression else None)
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool, tokenizer: object = None
                     ) -> tuple[str, list[int]]:
@@ -181,7 +189,8 @@ class Handler:
                              "or a list of lists of token ids")
 
     async def serve(self, body: _SamplingFields, prepared: list[Prepared], request: Request, kind: str,
-                    echo: bool = False, served: Served | None = None) -> Response:
+                    echo: bool = False, served: Served | None = None,
+                    usage_extra: Mapping[str, object] | None = None) -> Response:
         served = served or self.check_model(None)
         self.check_alive(served)
         # A batch line (gateway/batch.py) brings its own durable request id and the batch priority band.
@@ -196,7 +205,8 @@ class Handler:
             priority = getattr(request.state, "priority", reservation.priority)
             adds = [AddRequest(f"{request_id}-{i}", p.token_ids, p.text, p.params, time.monotonic(),
                                reservation.tenant, priority, body.user) for i, p in enumerate(prepared)]
-            settlement = Settlement(self.accounting, self.background, request_id, adds, reservation, served.name)
+            settlement = Settlement(self.accounting, self.background, request_id, adds, reservation, served.name,
+                                    usage_extra)
         except BaseException:
             reservation.cancel()
             raise

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 
 from tokenfactory.engine.client import AddRequest
 from tokenfactory.gateway.accounting import Accounting
@@ -25,15 +26,19 @@ class Settlement:
     settling task, every later call awaits that same task, and cancelling a caller never cancels it."""
 
     def __init__(self, accounting: Accounting | None, pending: set[asyncio.Task], request_id: str,
-                 adds: list[AddRequest], reservation: Reservation, model: str | None = None) -> None:
+                 adds: list[AddRequest], reservation: Reservation, model: str | None = None,
+                 usage_extra: Mapping[str, object] | None = None) -> None:
         """`pending`: the server's set of unfinished settlements (what shutdown waits for); `model`: the
-        served model's name for its ledger row (None: the accounting's own)."""
+        served model's name for its ledger row (None: the accounting's own); `usage_extra`: more usage fields
+        for the answer (context compression's)."""
         self.accounting, self.pending, self.model = accounting, pending, model
+        self.usage_extra = dict(usage_extra or {})
         self.request_id, self.adds, self.reservation = request_id, adds, reservation
         self.task: asyncio.Task | None = None
 
     async def settle(self, finals: list[RequestOutput | None], status: str) -> dict:
-        return await asyncio.shield(self.start(finals, status))
+        extra = await asyncio.shield(self.start(finals, status))
+        return {**extra, **self.usage_extra} if self.usage_extra else extra
 
     def start(self, finals: list[RequestOutput | None], status: str) -> asyncio.Task:
         if self.task is None:
