@@ -107,6 +107,7 @@ class SimConfig:
     usd_per_kwh: float = 0.15
     pue: float = 1.2
     latency_window_s: float = 60.0
+    client_overhead_s: float = 0.0  # HTTP, tokenization, IPC: added to every TTFT and end-to-end latency
 
 
 @dataclass(frozen=True)
@@ -353,7 +354,7 @@ class Simulation:
     def _first_token(self, r: SimReplica, seq: _Seq) -> None:
         seq.first_token_s, seq.join = self.now, r.counter
         r.num_tokens += 1
-        self.ttft[seq.index] = self.now - seq.req.arrival_s
+        self.ttft[seq.index] = self.now - seq.req.arrival_s + self.config.client_overhead_s
         if seq.expected_out > 0:
             r.outstanding_tokens -= 1
         left = min(seq.expected_out, seq.req.output_tokens) - 1
@@ -375,7 +376,7 @@ class Simulation:
             r.sum_prompt -= seq.req.prompt_tokens
             r.sum_join -= seq.join
             self.tpot[seq.index] = (self.now - seq.first_token_s) / (out - 1)
-        self.e2e[seq.index] = self.now - seq.req.arrival_s
+        self.e2e[seq.index] = self.now - seq.req.arrival_s + self.config.client_overhead_s
         r.kv_reserved -= seq.req.prompt_tokens + out
         self.latency.observe(self.now, float(self.ttft[seq.index]),
                              float(self.tpot[seq.index]) if out > 1 else None)
