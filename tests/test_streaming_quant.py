@@ -138,3 +138,20 @@ def test_peak_load_memory_is_the_placed_model_plus_one_piece(tmp_path_factory, s
     assert got["peak_load_bytes"] <= placed + 3 * largest_piece_fp32 + 160 * MiB, got
     if scheme == "int4":  # a model that fits only quantized loads: the float32 model (668 MB) never exists
         assert got["peak_load_bytes"] < got["num_params"] * 4, got
+
+
+def test_the_memory_benchmark_writes_json(tiny, tmp_path):
+    from tokenfactory.bench.memory import main
+
+    out = tmp_path / "memory.json"
+    assert main(["--models", str(tiny.path), "--schemes", "none,int4", "--kv-budget", str(4 * MiB),
+                 "--seq-len", "60", "--output-len", "4", "--out", str(out)]) == 0
+    run = json.loads(out.read_text())["runs"][0]
+    loads = {x["quantization"]: x for x in run["loads"]}
+    assert set(loads) == {"none", "int4"}
+    for x in loads.values():
+        assert x["peak_load_bytes"] >= x["steady_bytes"] - x["kv_cache_bytes"] > 0
+        assert x["weight_bytes"] - x["planned_weight_bytes"] == x["max_model_len"] * 16 * 4  # the RoPE tables
+    bf16, int8 = run["kv"]
+    assert (bf16["kv_cache_dtype"], int8["kv_cache_dtype"]) == ("auto", "int8")
+    assert int8["seqs_that_fit"] >= 1.7 * bf16["seqs_that_fit"]  # head_dim 16: 2 * 16 / (16 + 2) = 1.78x the bytes

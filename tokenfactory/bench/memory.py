@@ -121,9 +121,10 @@ def _in_fresh_process(args: list[str]) -> dict[str, Any]:
 
 
 def concurrency(model: str | None, kv_cache_dtype: str, kv_budget: int, seq_len: int, output_len: int,
-                measure_speed: bool) -> dict[str, Any]:
+                measure_speed: bool, num_seqs: int | None = None) -> dict[str, Any]:
     """How many seq_len-token sequences (plus their output) fit in kv_budget and, when asked, decode tok/s
-    with that many running: decode tokens over the time of the steps that only decoded (StepStats)."""
+    with that many running (or `num_seqs`, to compare KV dtypes at one concurrency): decode tokens over the
+    time of the steps that only decoded (StepStats)."""
     import random
 
     from tokenfactory.config import EngineConfig
@@ -135,7 +136,8 @@ def concurrency(model: str | None, kv_cache_dtype: str, kv_budget: int, seq_len:
                                     max_model_len=seq_len + output_len, max_num_seqs=512,
                                     max_num_batched_tokens=4096, enable_prefix_caching=False),
                        step_listeners=[steps.append])
-    fits = engine.capacity.num_tokens // (seq_len + output_len)
+    fits = min(num_seqs, engine.capacity.num_tokens // (seq_len + output_len)) if num_seqs else \
+        engine.capacity.num_tokens // (seq_len + output_len)
     result: dict[str, Any] = {"kv_cache_dtype": kv_cache_dtype, "kv_budget_bytes": kv_budget,
                               "kv_bytes_per_token": engine.capacity.bytes_per_token,
                               "kv_tokens": engine.capacity.num_tokens, "seq_len": seq_len + output_len,
@@ -185,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
             entry["kv"].append(concurrency(model, kv, args.kv_budget, args.seq_len, args.output_len,
                                            measure_speed=name == "bundled"))
             print(json.dumps(entry["kv"][-1]), file=sys.stderr)
+        if name == "bundled":  # int8's cost in tok/s at bf16's concurrency (its own fit is twice that)
+            entry["kv_int8_at_bf16_concurrency"] = concurrency(model, "int8", args.kv_budget, args.seq_len,
+                                                               args.output_len, True, entry["kv"][0]["seqs_that_fit"])
         report["runs"].append(entry)
     text = json.dumps(report, indent=1)
     if args.out:
