@@ -346,13 +346,14 @@ class ReplicaPool(Protocol):
 
 
 class LatencyWindow:
-    """TTFT and TPOT observations over the last `window_s`, at a percentile: the SLO signal. Fed from replicas'
-    receiver threads and read by the controller's, hence the lock."""
+    """TTFT and TPOT observations over the last `window_s` (at most the last `max_samples` of each), at a
+    percentile: the SLO signal. Bounded so a tick costs the same at 10 or 10,000 requests a second. Fed from
+    replicas' receiver threads and read by the controller's, hence the lock."""
 
-    def __init__(self, window_s: float = 30.0) -> None:
+    def __init__(self, window_s: float = 30.0, max_samples: int = 4096) -> None:
         self.window_s = window_s
-        self.ttft: deque[tuple[float, float]] = deque()
-        self.tpot: deque[tuple[float, float]] = deque()
+        self.ttft: deque[tuple[float, float]] = deque(maxlen=max_samples)
+        self.tpot: deque[tuple[float, float]] = deque(maxlen=max_samples)
         self._lock = threading.Lock()
 
     def observe(self, now: float, ttft_s: float | None, tpot_s: float | None) -> None:
