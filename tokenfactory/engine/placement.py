@@ -95,6 +95,8 @@ def place_model(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], *, device
         layer.to_empty(device=device).to(dtype=dtype)
         model.load_layer_weights(i, weights)
         quantize(layer_linear_paths(i))
+    sources.clear()  # the file's mapped weights now live in the layers (or were requantized): drop the rest
+    release_freed_memory()
     return model.eval(), QuantSummary(scheme.name, path_to_format)
 
 
