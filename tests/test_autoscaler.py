@@ -260,3 +260,18 @@ def test_fleet_pool_starts_drains_and_stops_real_fleet_replicas() -> None:
     finally:
         fleet.shutdown()
         time.sleep(0)
+
+
+def test_fleet_status_reads_a_servers_replicas(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.server_util import start_gateway
+    from tokenfactory.cli import main
+
+    fleet = Fleet("fake-tiny", [Replica("p0", FakeEngineClient(), "local"), Replica("p1", FakeEngineClient(), "local")])
+    gateway = start_gateway(fleet, tmp_path)
+    try:
+        assert main(["fleet", "status", "--url", gateway.url]) == 0
+        out = capsys.readouterr().out
+        assert "fake-tiny: 2 replicas, router least-work" in out and "p1" in out and "autoscaler: off" in out
+    finally:
+        gateway.stop()
+    assert main(["fleet", "status", "--url", "http://127.0.0.1:9"]) == 2

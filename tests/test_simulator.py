@@ -169,3 +169,24 @@ def test_a_ledger_replays_as_a_trace(tmp_path: Path) -> None:
     trace = replay(tmp_path / "ledger.db")
     assert [(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in trace] == [(0.0, 5, 9), (2.0, 6, 9), (4.0, 7, 9)]
     assert math.isfinite(Simulation(SimConfig([spec()]), trace).run().summary()["ttft_p50_s"])
+
+
+def test_simulate_command_side_by_side_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tokenfactory.cli import main
+    from tokenfactory.fleet.cli import replica_counts
+
+    assert replica_counts("4..32") == [4, 8, 16, 32] and replica_counts("3,5") == [3, 5] and replica_counts("2") == [2]
+    with pytest.raises(ValueError, match="--replicas"):
+        replica_counts("8..2")
+    args = ["simulate", "--trace", "poisson", "--rate", "20", "--duration", "60", "--replicas", "1..2",
+            "--router", "least-work,energy", "--model", "Llama-3.1-8B", "--device", "H100-SXM"]
+    assert main([*args, "--plot", str(tmp_path / "sim.png")]) == 0
+    table = capsys.readouterr().out
+    assert "least-work / static / 1" in table and "energy / static / 2" in table and "$/Mtok" in table
+    assert (tmp_path / "sim.png").stat().st_size > 10_000
+    assert main([*args, "--json", "--autoscaler", "slo", "--trace", "diurnal", "--period", "600",
+                 "--peak-rate", "30", "--trough-rate", "1"]) == 0
+    runs = json.loads(capsys.readouterr().out)
+    assert [r["label"] for r in runs] == ["least-work / slo / 1..2", "energy / slo / 1..2"]
+    assert all(r["energy_source"] == "modelled" and r["timeline"] and r["completed"] == r["requests"] for r in runs)
+    assert main(["simulate", "--trace", str(tmp_path / "missing.jsonl")]) == 2

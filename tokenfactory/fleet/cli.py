@@ -245,7 +245,10 @@ def cmd_fleet_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"replicas": data, "autoscaler": auto}, indent=1))
         return 0
-    print(f"{data['model']}: {len(data['data'])} replicas, router {data['router']}")
+    models = data.get("models") or {data.get("model", "?"): {"router": data.get("router", "?")}}
+    for model, about in models.items():
+        mine = [r for r in data["data"] if r.get("model", model) == model]
+        print(f"{model}: {len(mine)} replicas, router {about['router']}")
     for r in data["data"]:
         print(f"  {r['replica_id']:5} {r['kind']:8} {r['state']:9} running {r['num_running']:3} waiting "
               f"{r['num_waiting']:3} KV {100 * r['kv_cache_usage']:5.1f}%  routed {r['num_routed']}")
