@@ -63,3 +63,34 @@ def test_a_q4_k_file_keeps_its_codes_on_the_int4_kernel(kquant):
     assert engine.weight_bytes - rope == planned_weight_bytes(loaded, engine.config, engine.device, engine.dtype)
     rid = engine.add_request(list(range(40, 70)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert len(engine.run_to_completion([rid])[rid].outputs[0].token_ids) == 8
+
+
+def test_a_fused_layer_of_mixed_k_quants_becomes_int8_not_dense(tmp_path):
+    # A "_M" file's attention: q and k in Q4_K, v in Q6_K. No one exact format for the fused qkv: per-channel
+    # int8 of the exact dequantization, each weight within max|w[row]| / 254 of the file's value.
+    import dataclasses
+
+    q4 = load_model(_write(tmp_path, "Q4_K"))
+    q6 = load_model(_write(tmp_path, "Q6_K"))
+    v_names = [n for n in q4.raw_gguf if ".v_proj." in n]
+    raw = {**q4.raw_gguf, **{n: q6.raw_gguf[n] for n in v_names}}
+    weights = {**q4.weights, **{n: q6.weights[n] for n in v_names}}
+    mixed = dataclasses.replace(q4, raw_gguf=raw, weights=weights)
+    engine = LLMEngine(EngineConfig(quantization="auto", dtype="float32", kv_cache_memory=4 << 20,
+                                    max_model_len=128), mixed)
+    formats = engine.quant_summary.path_to_format
+    assert formats["layers.0.qkv_proj"].startswith("int8 via cpu-int8pack")
+    assert formats["layers.0.o_proj"].startswith("int4-g32")  # unmixed layers keep their exact codes
+    qkv = engine.runner.model.layers[0].qkv_proj
+    got = qkv.dense.weight().float()  # (q + k + v rows, hidden): the int8 weight, dequantized
+    want = torch.cat([weights[f"model.layers.0.self_attn.{x}_proj.weight"] for x in "qkv"])
+    bound = want.abs().amax(dim=1, keepdim=True) / 254 * (1 + 2 ** -7)  # the scale is rounded up to bf16
+    assert ((got - want).abs() <= bound).all()
+    rope = engine.max_model_len * mixed.config.head_dim * 4
+    assert engine.weight_bytes - rope == planned_weight_bytes(mixed, engine.config, engine.device, engine.dtype)
+
+
+def _write(tmp_path, type_name: str):
+    path = tmp_path / f"tiny.{type_name}.gguf"
+    tiny_gguf_file(path, "llama", ggml_type=type_name, **SHAPES)
+    return path

@@ -156,8 +156,8 @@ def _planned_formats(loaded: LoadedModel, scheme: str, paths: dict[str, list[str
     planned = {}
     for path, names in paths.items():
         parts = [known.get(n) for n in names]
-        if all(p is not None for p in parts) and (fused := concat_rows(parts)) is not None:  # type: ignore[arg-type]
-            planned[path] = fused
+        if all(p is not None for p in parts):  # mixed types: per-channel int8, as plan_quantization does
+            planned[path] = concat_rows(parts) or _meta_weight("int8", *shapes[path], shapes[path][1])  # type: ignore[arg-type]
     return planned
 
 

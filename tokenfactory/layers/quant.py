@@ -4,7 +4,7 @@ modules holding packed weights and scales; the model code never knows (gpt-fast'
     scheme "none"            nothing changes
     scheme "auto"            a GGUF keeps its own quantization (Q4_0/Q4_1/Q4_K -> int4 group 32, Q8_0 -> int8
                              group 32, Q6_K -> int8 group 16, bit-exact codes; a fused layer whose parts
-                             mix types, as K-quant "_M" files do, stays dense), a file written by
+                             mix types, as K-quant "_M" files do, becomes per-channel int8), a file written by
                              `tokenfactory quantize` keeps its scheme; anything else (HF folders, Q5_K,
                              Q2_K/Q3_K, IQ types) stays dense
     scheme "int8"            symmetric int8, one scale per output channel
@@ -134,7 +134,11 @@ def plan_quantization(model: nn.Module, scheme: Scheme, sources: Mapping[str, Qu
             continue
         parts = [sources.get(n) for n in names]
         if scheme.keeps_source:
-            if all(p is not None for p in parts) and (fused := concat_rows(parts)) is not None:  # type: ignore[arg-type]
+            if all(p is not None for p in parts):
+                # A fused layer whose parts mix types (q/k Q4_K and v Q6_K in a K-quant "_M" file) has no one
+                # exact format: per-channel int8 of the parts' exact dequantization instead, rounding each weight
+                # by at most max|w[row]| / 254 (tests/test_gguf_kquants.py measures it), never to full size.
+                fused = concat_rows(parts) or quantize_int8(torch.cat([p.dequantize() for p in parts]))  # type: ignore[arg-type, union-attr]
                 plan[path] = fused
         elif scheme.quantize is not None:
             # Requantize from the most precise float we have: the file's exact dequantization, else the layer.
