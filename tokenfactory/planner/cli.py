@@ -276,7 +276,8 @@ def _doctor_preflight(args: argparse.Namespace) -> int:
                          max_model_len=max_len,
                          kv_cache_bytes=int(args.kv_cache_gib * GIB) if args.kv_cache_gib is not None else None,
                          free_memory_bytes=free, max_num_seqs=args.max_num_seqs,
-                         weights_bytes=int(weights.total_bytes))
+                         weights_bytes=int(weights.total_bytes),
+                         kv_cache_dtype=args.kv_dtype if args.kv_dtype in ("int8", "fp8") else "auto")
     return _print_findings(findings, args.json)
 
 
