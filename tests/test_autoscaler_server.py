@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from tests.server_util import Server, start_server
+from tokenfactory.cli import main
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +56,7 @@ async def load(url: str, stop: asyncio.Event, concurrency: int) -> list[tuple[st
     return done
 
 
-def test_load_starts_a_second_replica_that_is_used_then_drained_and_stopped(tmp_path) -> None:
+def test_load_starts_a_second_replica_that_is_used_then_drained_and_stopped(tmp_path, capsys) -> None:  # noqa: ANN001
     server = start_server(tmp_path, "--replicas", "1", "--autoscaler", "slo", "--min-replicas", "1",
                           "--max-replicas", "2", "--autoscale-target-seqs", "1", "--scale-up-delay", "0",
                           "--scale-down-delay", "3", "--autoscale-interval", "0.5", "--max-num-seqs", "4",
@@ -77,6 +78,9 @@ def test_load_starts_a_second_replica_that_is_used_then_drained_and_stopped(tmp_
         assert actions[:1] == ["up"] and "down" in actions and status["num_stopped"] == 1
         assert status["cold_starts"][0]["ok"] and status["cold_starts"][0]["seconds"] > 0
         assert server.metric("tokenfactory:autoscaler_decisions_total") >= 2
+        assert main(["fleet", "status", "--url", server.url]) == 0
+        shown = capsys.readouterr().out
+        assert "autoscaler: slo, 1..2 replicas" in shown and "up   -> 2" in shown and "cold start a0" in shown
         # No lost stream: each one finished with a reason and text; one ledger row per request, a0's included.
         assert done and all(reason in ("stop", "length") and chunks > 0 for _, reason, chunks in done)
         with sqlite3.connect(server.data_dir / "ledger.db") as db:
