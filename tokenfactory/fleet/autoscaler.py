@@ -19,6 +19,8 @@ Stability, whatever the policy: a change must be wanted for `up_delay_s` (up) or
 interruption, and no scale-down comes within `down_delay_s` of the last change, so input that flaps faster than
 the delays changes nothing. The one exception is a request held with no replica at all (scale from zero): that
 starts one at once; the cold start is measured by the pool and charged (its seconds at idle power).
+The file passes 400 lines because the nouns, the policies, the delays and the controller are one decision's
+path, read together; the real pool is in fleet/scaling_pool.py, the simulated one in fleet/simulator.py.
 """
 
 from __future__ import annotations
