@@ -190,3 +190,16 @@ def test_simulate_command_side_by_side_json_and_plot(tmp_path: Path, capsys: pyt
     assert [r["label"] for r in runs] == ["least-work / slo / 1..2", "energy / slo / 1..2"]
     assert all(r["energy_source"] == "modelled" and r["timeline"] and r["completed"] == r["requests"] for r in runs)
     assert main(["simulate", "--trace", str(tmp_path / "missing.jsonl")]) == 2
+
+
+def test_the_energy_autoscaler_starts_the_cheapest_kind_per_token() -> None:
+    def kind(name: str, usd: float) -> ReplicaSpec:
+        return ReplicaSpec(name, "cpu", LinearCost(0.02, 0.001), 10.0, 100.0, max_num_seqs=32, usd_per_hour=usd,
+                           cold_start_s=5.0, target_seqs=4, tokens_per_s=100.0)
+    trace = poisson(6.0, 600, prompt_tokens=16, output_tokens=64, seed=4)
+    scaling = AutoscalerConfig(min_replicas=1, max_replicas=6, up_delay_s=5, down_delay_s=60)
+    for policy, expected in (("energy", "cheap"), ("slo", "dear")):
+        sim = Simulation(SimConfig([kind("dear", 4.0), kind("cheap", 1.0)], autoscaler=policy, scaling=scaling), trace)
+        sim.run()
+        started = {r.spec.name for r in sim.live() + sim._retired if r.replica_id != "s0"}
+        assert started == {expected}, policy
