@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Form, Request, UploadFile
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
+from sqlalchemy.exc import SQLAlchemyError
 
 from tokenfactory.gateway.admin import Tenancy
 from tokenfactory.gateway.auth import ANONYMOUS_PRINCIPAL, Principal
@@ -36,6 +38,8 @@ from tokenfactory.gateway.errors import APIError
 from tokenfactory.meter.batch_store import BatchStore, JobTotals, new_id
 from tokenfactory.meter.paths import resolve_data_dir
 from tokenfactory.types import ParameterError
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from tokenfactory.gateway.serving import Handler  # which imports BatchSettings from here
@@ -101,10 +105,21 @@ def principal_lookup(tenancy: Tenancy) -> Any:  # noqa: ANN401 - Callable[[str],
     return principal_of
 
 
+def open_store(handler: Handler, directory: Path) -> BatchStore | None:
+    """The jobs' store; a database that refuses its tables turns the Batch API off, never the server."""
+    assert handler.accounting is not None
+    try:
+        return BatchStore(handler.accounting.ledger.engine, directory)
+    except (SQLAlchemyError, OSError) as e:
+        logger.warning("the Batch API is off: its tables cannot be made in the ledger's database (%s)",
+                       type(e).__name__ + ": " + str(e).splitlines()[0])
+        return None
+
+
 def install_batch_routes(app: FastAPI, handler: Handler, settings: BatchSettings | None = None) -> BatchRunner | None:
     """The routes; the runner to start and stop with the app (None without a ledger: routes answer 404)."""
     directory = data_dir_of(handler)
-    store = BatchStore(handler.accounting.ledger.engine, directory) if handler.accounting and directory else None
+    store = open_store(handler, directory) if handler.accounting and directory else None
     runner = (BatchRunner(handler, store, settings or BatchSettings(), principal_lookup(handler.tenancy))
               if store is not None else None)
     routes = _Routes(handler, store, runner)

@@ -171,7 +171,7 @@ class Ledger:
         self._upsert_insert = rollup.UPSERT_INSERTS.get(self._engine.dialect.name)
         self._journal = Journal(JournalFile(journal_path) if journal_path else None, self._replay_insert, config)
         if create:
-            metadata.create_all(self._engine)
+            self._create_tables()
             self._unique = self._ensure_unique_index()
             self._ensure_replica_column()
             self._replay_at_start()
@@ -311,6 +311,15 @@ class Ledger:
         except (sa.exc.SQLAlchemyError, OSError):
             return False
         return any(i["unique"] and i["column_names"] == ["request_id"] for i in indexes)
+
+    def _create_tables(self) -> None:
+        """Every table of the shared metadata (a newer version's too); a database that refuses the write
+        (read-only, full) does not stop a server: its rows go to the journal until it takes them."""
+        try:
+            metadata.create_all(self._engine)
+        except sa.exc.OperationalError as e:
+            logger.warning("ledger: cannot create its tables (%s); rows wait in the journal until it can",
+                           describe_failure(e))
 
     def _ensure_replica_column(self) -> None:
         """Ledgers made before the fleet have no replica column: added (nullable, so old rows read NULL)."""
