@@ -144,8 +144,8 @@ def test_the_memory_benchmark_writes_json(tiny, tmp_path):
     from tokenfactory.bench.memory import main
 
     out = tmp_path / "memory.json"
-    assert main(["--models", str(tiny.path), "--schemes", "none,int4", "--kv-budget", str(4 * MiB),
-                 "--seq-len", "60", "--output-len", "4", "--out", str(out)]) == 0
+    assert main(["--models", str(tiny.path), "--schemes", "none,int4", "--dense", "on-the-fly",
+                 "--kv-budget", str(4 * MiB), "--seq-len", "60", "--output-len", "4", "--out", str(out)]) == 0
     run = json.loads(out.read_text())["runs"][0]
     loads = {x["quantization"]: x for x in run["loads"]}
     assert set(loads) == {"none", "int4"}

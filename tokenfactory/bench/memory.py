@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="bundled,1b", help="comma-separated: bundled, 1b, or a path")
     p.add_argument("--schemes", default="none,int8,int4", help="weight schemes")
-    p.add_argument("--dense", default="copy", help="quantized layers' large-step path: copy | on-the-fly")
+    p.add_argument("--dense", default="copy,on-the-fly",
+                   help="quantized layers' large-step paths to load with (comma-separated): copy, on-the-fly")
     p.add_argument("--kv-budget", type=int, default=512 << 20, help="KV bytes for the concurrency figure")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--output-len", type=int, default=32)
@@ -181,8 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         model = _model_path(name, args.workdir)
         entry: dict[str, Any] = {"model": name, "loads": [], "kv": []}
         for scheme in args.schemes.split(","):
-            entry["loads"].append(_in_fresh_process([model or "bundled", scheme, "auto", args.dense]))
-            print(json.dumps(entry["loads"][-1]), file=sys.stderr)
+            for dense in args.dense.split(",") if scheme != "none" else ["copy"]:
+                entry["loads"].append(_in_fresh_process([model or "bundled", scheme, "auto", dense]))
+                print(json.dumps(entry["loads"][-1]), file=sys.stderr)
         for kv in ("auto", "int8"):
             entry["kv"].append(concurrency(model, kv, args.kv_budget, args.seq_len, args.output_len,
                                            measure_speed=name == "bundled"))
