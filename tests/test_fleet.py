@@ -360,3 +360,39 @@ def test_auth_applies_the_tenants_priorities_and_weights_without_another_flag() 
     for bad in (["--backend", "ftp://x"], ["--backend", "http://x,colour=red"], ["--fleet-model", "x,replicas=0"]):
         with pytest.raises(SystemExit):
             parser.parse_args(["serve", *bad])
+
+
+def test_a_failing_step_listener_does_not_take_a_remote_replica_down() -> None:
+    from tokenfactory.engine.client import WorkerEvents, WorkerReady
+    from tokenfactory.fleet.remote import RemoteEngine
+    from tokenfactory.types import StepStats
+
+    class Pipe:  # a transport whose worker sends one step, then heartbeats
+        def __init__(self) -> None:
+            self.batches = [WorkerEvents(steps=(StepStats(0, time.monotonic(), 0.01, 1, 0, 1, 0, 10, 10, 0),))]
+
+        def send(self, message) -> None:
+            pass
+
+        def recv(self, timeout_s: float):
+            time.sleep(0.01)
+            return self.batches.pop(0) if self.batches else WorkerEvents()
+
+        def close(self, timeout_s: float) -> None:
+            pass
+
+        def kill(self) -> None:
+            pass
+
+    fake = FakeEngineClient()
+    remote = RemoteEngine("x", Pipe(), WorkerReady(fake.info, fake.tokenizer, fake.stats()))
+    remote.step_listeners.append(lambda step: 1 / 0)
+    seen = []
+    remote.step_listeners.append(seen.append)
+    remote.start()
+    deadline = time.monotonic() + 5
+    while not seen:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert remote.is_alive
+    remote.shutdown(1)

@@ -211,7 +211,10 @@ class RemoteEngine:
     def _apply(self, batch: WorkerEvents) -> None:
         for step in batch.steps:
             for listener in self.step_listeners:
-                listener(step)
+                try:
+                    listener(step)
+                except Exception:  # a listener's bug (the meter's, a policy's) must not take the replica down
+                    logger.exception("replica %s: a step listener failed", self.name)
         if batch.stats is not None:
             self._stats = batch.stats
             self._num_in_flight_adds = 0
