@@ -196,3 +196,23 @@ def test_a_hung_process_is_found_within_the_timeout(config) -> None:
         except ProcessLookupError:
             pass
         c.shutdown(2)
+
+
+def test_the_autoscaler_places_its_replicas_on_ray(config, ray_address) -> None:
+    """`serve --autoscaler ... --ray`: the controller's factory starts Ray actors (and restarts them the same way)."""
+    import argparse
+
+    from tokenfactory.fleet.fleet import Fleet
+    from tokenfactory.fleet.launch import cpu_power
+    from tokenfactory.gateway.autoscale import replica_factory
+
+    factory = replica_factory(argparse.Namespace(ray=ray_address, replica_timeout=5.0), config, 1, cpu_power(1))
+    replica = factory("a0", "local")
+    fleet = Fleet("tiny", [replica])
+    fleet.start()
+    try:
+        assert replica.kind == "ray" and replica.restart is not None and replica.client.facts["node"] == "ray"
+        out = asyncio.run(final(fleet, add("auto", PROMPTS[0])))
+        assert out.finished and out.replica == "a0"
+    finally:
+        fleet.shutdown()

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
     from tokenfactory.config import EngineConfig
     from tokenfactory.fleet.autoscaler import Controller, LatencyWindow
-    from tokenfactory.fleet.fleet import Fleet
+    from tokenfactory.fleet.fleet import Fleet, Replica
     from tokenfactory.fleet.launch import DevicePower
     from tokenfactory.fleet.scaling_pool import ControllerThread, FleetPool
 
@@ -73,14 +73,10 @@ def start_autoscaler(args: argparse.Namespace, fleet: Fleet, config: EngineConfi
     if not getattr(args, "autoscaler", None):
         return None
     from tokenfactory.fleet.autoscaler import SLO, AutoscalerConfig, Controller, ReplicaOption, make_autoscaler
-    from tokenfactory.fleet.fleet import Replica
-    from tokenfactory.fleet.process import start_process_replica
     from tokenfactory.fleet.scaling_pool import ControllerThread, FleetPool, observe_steps
 
     if args.autoscaler == "auto":  # no --profile chose it
         args.autoscaler = "slo"
-    if args.ray is not None:
-        raise ValueError("--autoscaler starts local process replicas; it does not yet place Ray actors")
     scaling = AutoscalerConfig(max(args.min_replicas, 1), args.max_replicas, SLO(args.ttft_slo, args.tpot_slo),
                                up_delay_s=args.scale_up_delay, down_delay_s=args.scale_down_delay,
                                interval_s=args.autoscale_interval)
@@ -88,18 +84,43 @@ def start_autoscaler(args: argparse.Namespace, fleet: Fleet, config: EngineConfi
     target = args.autoscale_target_seqs or config.max_num_seqs
     option = ReplicaOption("local", config.device, power.idle_watts, power.busy_watts, target, 0.0)
 
-    def factory(replica_id: str, _option: str) -> Replica:
-        def start() -> object:
-            return start_process_replica(replica_id, config, threads, args.replica_timeout)
-        return Replica(replica_id, start(), "process", device=config.device, power_source="meter",  # type: ignore[arg-type]
-                       idle_watts=power.idle_watts, busy_watts=power.busy_watts, restart=start)  # type: ignore[arg-type]
-
-    pool = FleetPool(fleet, factory, option.name)
+    pool = FleetPool(fleet, replica_factory(args, config, threads, power), option.name)
     controller = Controller(make_autoscaler(args.autoscaler, scaling, [option]), pool)
     observe_steps(fleet, controller.latency)
     thread = ControllerThread(controller, scaling.interval_s)
     thread.start()
     return Autoscaling(controller, pool, thread)
+
+
+def replica_factory(args: argparse.Namespace, config: EngineConfig, threads: int, power: DevicePower
+                    ) -> Callable[[str, str], Replica]:
+    """How the controller starts a replica: a Ray actor with --ray (on the Ray the fleet's replicas use), else
+    a local process; it restarts the same way when it dies."""
+    from tokenfactory.fleet.fleet import Replica
+
+    def factory(replica_id: str, _option: str) -> Replica:
+        if args.ray is not None:
+            import ray
+
+            from tokenfactory.fleet.ray_replica import start_ray_replica
+
+            if not ray.is_initialized():
+                ray.init(address=args.ray or None, include_dashboard=False, log_to_driver=False)
+
+            def start() -> object:
+                return start_ray_replica(replica_id, config, threads, num_cpus=threads,
+                                         num_gpus=1.0 if config.device.startswith("cuda") else 0.0,
+                                         hang_timeout_s=args.replica_timeout)
+            kind = "ray"
+        else:
+            from tokenfactory.fleet.process import start_process_replica
+
+            def start() -> object:
+                return start_process_replica(replica_id, config, threads, args.replica_timeout)
+            kind = "process"
+        return Replica(replica_id, start(), kind, device=config.device, power_source="meter",  # type: ignore[arg-type]
+                       idle_watts=power.idle_watts, busy_watts=power.busy_watts, restart=start)  # type: ignore[arg-type]
+    return factory
 
 
 def ttft_feed(histogram: Histogram, model: str, latency: LatencyWindow, max_per_tick: int = 500
