@@ -4,6 +4,7 @@ clock); and `FleetPool` over a real `Fleet` of fake engines (start, drain, stop)
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Callable
@@ -260,6 +261,48 @@ def test_fleet_pool_starts_drains_and_stops_real_fleet_replicas() -> None:
     finally:
         fleet.shutdown()
         time.sleep(0)
+
+
+def test_fleet_pool_scales_a_real_fleet_to_zero_and_back_for_a_held_request() -> None:
+    """--min-replicas 0: the idle fleet's last replica is drained and stopped; a request then is held, the
+    controller sees it held and starts a replica at once, and the request is served by it."""
+    template = FakeEngineClient()
+    fleet = Fleet("m", [Replica("p0", FakeEngineClient(), "local")], info=template.info,
+                  tokenizer=template.tokenizer)
+    fleet.hold_s = 10.0
+    fleet.start()
+    pool = FleetPool(fleet, lambda rid, option: Replica(rid, FakeEngineClient(), "local"), allow_zero=True)
+    config = AutoscalerConfig(min_replicas=0, max_replicas=1, up_delay_s=5.0, down_delay_s=0.0)
+    policy = make_autoscaler("slo", config, [ReplicaOption("local", "cpu", 10, 60, target_seqs=4, tokens_per_s=10)])
+    ctl = Controller(policy, pool, held=lambda: fleet.num_held)
+    try:
+        pool.loads(0.0)
+        assert ctl.tick(1.0).action == "down"
+        ctl.tick(2.0)
+        pool.wait()
+        assert fleet.replicas == {} and fleet.is_alive
+
+        async def request() -> list:
+            task = asyncio.ensure_future(collect(fleet))
+            while fleet.num_held == 0:
+                await asyncio.sleep(0.01)
+            d = await asyncio.to_thread(ctl.tick, 2.5)  # held with no replica: up at once, no up-delay
+            assert d.action == "up" and "held" in d.reason
+            return await task
+        outs = asyncio.run(request())
+        pool.wait()
+        assert outs[-1].finished and outs[-1].replica == "a0" and pool.cold_starts[-1].ok
+    finally:
+        fleet.shutdown()
+
+
+async def collect(fleet: Fleet) -> list:
+    from tokenfactory.engine.client import AddRequest
+    from tokenfactory.types import SamplingParams
+
+    request = AddRequest("held", [3, 4, 5], "abc", SamplingParams(max_tokens=4, ignore_eos=True), time.monotonic(),
+                         "t", 1)
+    return [o async for o in fleet.generate(request)]
 
 
 def test_fleet_status_reads_a_servers_replicas(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -89,3 +89,29 @@ def test_load_starts_a_second_replica_that_is_used_then_drained_and_stopped(tmp_
         assert {r[1] for r in rows} == {"finished"} and {"p0", "a0"} <= {r[2] for r in rows}
     finally:
         server.stop()
+
+
+def test_scale_to_zero_and_back_with_the_cold_start_measured(tmp_path) -> None:
+    """--min-replicas 0: once idle past the scale-down delay the last replica is drained and stopped (the
+    server stays healthy); the next request is held while a replica starts, and its TTFT carries the cold
+    start, which /fleet/autoscaler reports."""
+    server = start_server(tmp_path, "--autoscaler", "slo", "--min-replicas", "0", "--max-replicas", "1",
+                          "--scale-down-delay", "2", "--autoscale-interval", "0.5", timeout=300)
+    try:
+        wait_for(lambda: replicas(server) == {}, 60, "the idle fleet to scale to zero")
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+        t0 = time.monotonic()
+        r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 4},
+                       timeout=180)
+        waited = time.monotonic() - t0
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 4
+        auto = httpx.get(server.url + "/fleet/autoscaler", timeout=10).json()
+        cold = [c for c in auto["cold_starts"] if c["ok"]]
+        assert cold and waited >= cold[-1]["seconds"] * 0.5  # the request waited through the replica's start
+        assert set(replicas(server)) == {cold[-1]["replica_id"]}
+        with sqlite3.connect(server.data_dir / "ledger.db") as db:
+            assert db.execute("select status, replica from requests").fetchall() == [("finished",
+                                                                                     cold[-1]["replica_id"])]
+    finally:
+        server.stop()

@@ -396,3 +396,26 @@ def test_a_failing_step_listener_does_not_take_a_remote_replica_down() -> None:
         time.sleep(0.01)
     assert remote.is_alive
     remote.shutdown(1)
+
+
+def test_a_fleet_at_zero_replicas_holds_a_request_until_one_starts() -> None:
+    template = FakeEngineClient()
+    fleet = Fleet("fake-tiny", [], info=template.info, tokenizer=template.tokenizer, check_interval_s=0.02)
+    fleet.hold_s = 5.0
+    fleet.start()
+
+    async def main() -> list:
+        task = asyncio.ensure_future(run(fleet, add("cold")))
+        await asyncio.sleep(0.2)
+        assert fleet.num_held == 1 and fleet.stats().num_waiting == 1 and fleet.is_alive
+        fleet.add_replica(Replica("a0", FakeEngineClient(), "local"))  # what the autoscaler's pool does
+        return await task
+    try:
+        outs = asyncio.run(main())
+        assert outs[-1].finished and outs[-1].replica == "a0" and fleet.num_held == 0
+        fleet.remove_replica("a0")
+        fleet.hold_s = 0.2
+        with pytest.raises(NoReplicaError, match="within 0.2 s"):
+            asyncio.run(run(fleet, add("nobody")))
+    finally:
+        fleet.shutdown()

@@ -19,6 +19,7 @@ request. The gateway owns admission, so limits and budgets hold across the fleet
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import threading
@@ -122,9 +123,11 @@ class Fleet:
     """An EngineClient over replicas of one model (see the module's docstring)."""
 
     def __init__(self, model: str, replicas: Sequence[Replica], router: RoutingPolicy | None = None,
-                 max_reroutes: int = 2, check_interval_s: float = 0.5, restart_backoff_s: float = 2.0) -> None:
-        if not replicas:
-            raise ValueError("a fleet needs at least one replica")
+                 max_reroutes: int = 2, check_interval_s: float = 0.5, restart_backoff_s: float = 2.0,
+                 info: ModelInfo | None = None, tokenizer: Tokenizer | None = None) -> None:
+        """`info` and `tokenizer` (else the first replica's) let a fleet start, or scale to, zero replicas."""
+        if not replicas and (info is None or tokenizer is None):
+            raise ValueError("a fleet needs at least one replica, or the model's info and tokenizer")
         self.model = model
         self.replicas: dict[str, Replica] = {r.replica_id: r for r in replicas}
         self.router = router if router is not None else make_router("least-work")
@@ -133,8 +136,12 @@ class Fleet:
         self.step_listeners: list[Callable[[StepStats], None]] = []  # every replica's steps: the meter
         self.decisions: list[RouteDecision] = []  # the most recent ones, for tests and /fleet/replicas
         self.request_id_to_replica: dict[str, str] = {}
-        first = replicas[0].client
-        self._info, self._tokenizer = first.info, first.tokenizer
+        self._info = info if info is not None else replicas[0].client.info
+        self._tokenizer = tokenizer if tokenizer is not None else replicas[0].client.tokenizer
+        # Scale from zero: with hold_s > 0, a request that finds no routable replica waits that long for one
+        # (an autoscaler starting it, a restart) instead of failing; num_held is the autoscaler's signal.
+        self.hold_s = 0.0
+        self.num_held = 0
         self._stop = threading.Event()
         self._supervisor = threading.Thread(target=self._supervise, name="fleet-supervisor", daemon=True)
         self._weights: dict[str, float] = {}
@@ -153,7 +160,7 @@ class Fleet:
 
     @property
     def is_alive(self) -> bool:
-        return any(r.client.is_alive or r.state == "restarting" for r in self.replicas.values())
+        return self.hold_s > 0 or any(r.client.is_alive or r.state == "restarting" for r in self.replicas.values())
 
     @property
     def dead_reason(self) -> str | None:
@@ -194,8 +201,10 @@ class Fleet:
         snaps = [r.client.stats() for r in self.replicas.values()]
         total = {f.name: sum(getattr(s, f.name) for s in snaps) for f in dataclasses.fields(EngineStats)
                  if f.type in ("int", int)}
+        total["num_waiting"] += self.num_held  # requests held for a replica to come up count as waiting
         steps = [s.last_step_s for s in snaps if s.last_step_s is not None]
-        return EngineStats(time=max(s.time for s in snaps), last_step_s=max(steps) if steps else None,
+        return EngineStats(time=max((s.time for s in snaps), default=time.monotonic()),
+                           last_step_s=max(steps) if steps else None,
                            speculative=None, alive=self.is_alive, dead_reason=self.dead_reason, **total)
 
     def generate(self, request: AddRequest) -> AsyncIterator[RequestOutput]:
@@ -207,7 +216,7 @@ class Fleet:
         expected_out = route.expected_tokens - len(request.prompt_token_ids)
         excluded: set[str] = set()
         while True:
-            replica = self._route(route, excluded)
+            replica = await self._route_or_hold(route, excluded)
             inner = replica.client.generate(request)
             produced = False
             try:
@@ -233,6 +242,27 @@ class Fleet:
                 self.request_id_to_replica.pop(request.request_id, None)
 
     # -- routing -----------------------------------------------------------------------------------------
+
+    async def _route_or_hold(self, route: RouteRequest, excluded: set[str]) -> Replica:
+        """A replica now, or (with hold_s) once one can take work; NoReplicaError when none comes in time."""
+        try:
+            return self._route(route, excluded)
+        except NoReplicaError:
+            if self.hold_s <= 0:
+                raise
+        deadline = time.monotonic() + self.hold_s
+        self.num_held += 1
+        try:
+            while True:
+                await asyncio.sleep(0.05)
+                try:
+                    return self._route(route, excluded)
+                except NoReplicaError:
+                    if time.monotonic() >= deadline:
+                        raise NoReplicaError(f"no replica of {self.model} could take the request within "
+                                             f"{self.hold_s:g} s") from None
+        finally:
+            self.num_held -= 1
 
     def _route(self, route: RouteRequest, excluded: set[str]) -> Replica:
         candidates = [r for r in self.replicas.values() if r.routable and r.replica_id not in excluded]

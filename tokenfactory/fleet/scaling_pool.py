@@ -4,8 +4,9 @@
 between ticks), starts a replica with the factory on a thread of its own (a process replica loads its model
 for seconds; the controller keeps ticking, and counts it as `starting`, so it is not started twice), adds it
 with `Fleet.add_replica` once it is ready, and measures that cold start. `stop` is `Fleet.remove_replica` of a
-drained replica with nothing outstanding, also on its own thread. The last replica is never stopped: a `Fleet`
-needs one (scale to zero is the simulator's for now: the gateway would have to hold requests meanwhile).
+drained replica with nothing outstanding, also on its own thread. The last replica is stopped only with
+`allow_zero` (`--min-replicas 0`): the fleet then holds requests (`Fleet.hold_s`) until the controller, seeing
+them held, starts one.
 
 The step listener feeds the latency window: every step that decoded gave each of its decoding sequences one
 token, so its duration is a TPOT sample.
@@ -40,8 +41,10 @@ class FleetPool:
     """A `ReplicaPool` over a real `Fleet` (see the module's docstring)."""
 
     def __init__(self, fleet: Fleet, factory: Callable[[str, str], Replica], option: str = "local",
-                 clock: Callable[[], float] = time.monotonic, prefix: str = "a") -> None:
+                 clock: Callable[[], float] = time.monotonic, prefix: str = "a", allow_zero: bool = False) -> None:
+        """`allow_zero`: the last replica may be stopped too (scale to zero; the fleet holds requests meanwhile)."""
         self.fleet, self.model, self.factory, self.option = fleet, fleet.model, factory, option
+        self.allow_zero = allow_zero
         self.clock, self.prefix = clock, prefix
         self.starting: dict[str, str] = {}  # replica id -> option
         self.stopping: set[str] = set()
@@ -104,7 +107,8 @@ class FleetPool:
 
     def stop(self, replica_id: str) -> None:
         live = [r for r in self.fleet.replicas if r not in self.stopping]
-        if replica_id not in self.fleet.replicas or replica_id in self.stopping or len(live) <= 1:
+        floor = 0 if self.allow_zero else 1
+        if replica_id not in self.fleet.replicas or replica_id in self.stopping or len(live) <= floor:
             return
         self.stopping.add(replica_id)
         self._spawn(self._stop, replica_id, name=f"scale-down-{replica_id}")

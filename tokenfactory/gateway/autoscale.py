@@ -44,7 +44,11 @@ def add_autoscaler_args(g: argparse._ArgumentGroup) -> None:
                    help="follow demand between --min-replicas and --max-replicas (local process replicas): slo "
                         "keeps headroom within the SLO, energy packs replicas and stops the rest; alone (auto): "
                         "the --profile's goal, else slo")
-    g.add_argument("--min-replicas", type=int, default=1, help="autoscaler floor (>= 1 for a served fleet)")
+    g.add_argument("--min-replicas", type=int, default=1,
+                   help="autoscaler floor; 0 scales to zero when idle: a request that finds no replica is held "
+                        "(up to --scale-from-zero-wait) while one starts, its TTFT carrying the cold start")
+    g.add_argument("--scale-from-zero-wait", type=float, default=120.0,
+                   help="with --min-replicas 0: seconds a request may wait for a replica to start")
     g.add_argument("--max-replicas", type=int, default=4, help="autoscaler ceiling")
     g.add_argument("--scale-up-delay", type=float, default=10.0, help="seconds a scale-up must be wanted")
     g.add_argument("--scale-down-delay", type=float, default=60.0,
@@ -77,15 +81,18 @@ def start_autoscaler(args: argparse.Namespace, fleet: Fleet, config: EngineConfi
 
     if args.autoscaler == "auto":  # no --profile chose it
         args.autoscaler = "slo"
-    scaling = AutoscalerConfig(max(args.min_replicas, 1), args.max_replicas, SLO(args.ttft_slo, args.tpot_slo),
+    scaling = AutoscalerConfig(args.min_replicas, args.max_replicas, SLO(args.ttft_slo, args.tpot_slo),
                                up_delay_s=args.scale_up_delay, down_delay_s=args.scale_down_delay,
                                interval_s=args.autoscale_interval)
     threads = getattr(args, "threads", None) or max(1, (os.cpu_count() or 1) // scaling.max_replicas)
     target = args.autoscale_target_seqs or config.max_num_seqs
     option = ReplicaOption("local", config.device, power.idle_watts, power.busy_watts, target, 0.0)
 
-    pool = FleetPool(fleet, replica_factory(args, config, threads, power), option.name)
-    controller = Controller(make_autoscaler(args.autoscaler, scaling, [option]), pool)
+    pool = FleetPool(fleet, replica_factory(args, config, threads, power), option.name,
+                     allow_zero=scaling.min_replicas == 0)
+    if scaling.min_replicas == 0:
+        fleet.hold_s = args.scale_from_zero_wait  # a request with no replica waits for one to start
+    controller = Controller(make_autoscaler(args.autoscaler, scaling, [option]), pool, held=lambda: fleet.num_held)
     observe_steps(fleet, controller.latency)
     thread = ControllerThread(controller, scaling.interval_s)
     thread.start()

@@ -344,7 +344,8 @@ def start_fleet(args: argparse.Namespace) -> Started:
 
     config = engine_config_from_args(args)
     joins_default = [b for b in args.backend if b.group("") in ("", args.served_model_name)]
-    if args.replicas < 0 or (args.replicas == 0 and not joins_default):
+    from_zero = bool(getattr(args, "autoscaler", None)) and getattr(args, "min_replicas", 1) == 0
+    if args.replicas < 0 or (args.replicas == 0 and not joins_default and not from_zero):
         raise ValueError("--replicas must be >= 1, or 0 with a --backend of the same model")
     num_local = args.replicas + sum(m.replicas for m in args.fleet_model)
     power_model = cpu_power(max(num_local, 1), args.cpu_tdp_watts)
@@ -357,7 +358,7 @@ def start_fleet(args: argparse.Namespace) -> Started:
     energies = _add_backends(args, groups)
     if energies:
         accounting.meter = FleetMeter(accounting.meter, energies)
-    fleets = {g.name: Fleet(g.name, g.replicas, _router(args)) for g in groups}
+    fleets = {g.name: Fleet(g.name, g.replicas, _router(args), info=g.info, tokenizer=g.tokenizer) for g in groups}
     for fleet in fleets.values():
         fleet.step_listeners.append(accounting.meter.on_step)  # one meter: this machine's power, every step
         fleet.start()
