@@ -59,6 +59,11 @@ def test_plan_prints_the_profile_it_would_choose(capsys: pytest.CaptureFixture[s
     assert main(["plan", "Llama-3.1-8B", "--device", "H100-SXM", "--profile", "auto", "--tokens-per-day", "1e7"]) == 0
     out = capsys.readouterr().out
     assert "Profile efficiency:" in out and "because the demand (116 tok/s) is under half" in out
+    # A stated workload is enough: the plan says which profile fits it without being asked.
+    assert main(["plan", "Llama-3.1-8B", "--device", "H100-SXM", "--tokens-per-day", "1e7"]) == 0
+    assert "Profile efficiency:" in capsys.readouterr().out
+    assert main(["plan", "Llama-3.1-8B", "--device", "H100-SXM"]) == 0
+    assert "Profile" not in capsys.readouterr().out
 
 
 def test_serve_profile_sets_what_the_user_left_at_its_default() -> None:

@@ -71,8 +71,8 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     out.add_argument("--list-devices", action="store_true", help="list catalog devices and exit")
     out.add_argument("--list-models", action="store_true", help="list catalog models and exit")
     out.add_argument("--profile", choices=["auto", "latency", "throughput", "efficiency"],
-                     help="print a serving profile (serve --profile): auto chooses one for the stated workload "
-                          "(--tpot-slo, --tokens-per-day) and says why")
+                     help="print a serving profile (serve --profile): auto (the default whenever --tpot-slo or "
+                          "--tokens-per-day states a workload) chooses one for it and says why")
 
 
 def _need(value: Any, flag: str, hint: str) -> Any:
@@ -117,7 +117,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if calibration is not None and args.calibrate_out:
         with open(args.calibrate_out, "w") as f:
             f.write(calibration.to_toml(device.name, args.calibrate))
-    profile = _profile(args, plan) if args.profile else None
+    stated = args.tpot_slo is not None or args.tokens_per_day is not None  # a workload: say which profile fits
+    profile = _profile(args, plan) if args.profile or stated else None
     _print_plan(plan, calibration, plots, args, profile)
     return 0
 
@@ -129,7 +130,7 @@ def _profile(args: argparse.Namespace, plan: Any) -> Any:
     req = plan.request
     steps = StepModel(req.hardware, req.model, plan.weights, plan.kv_dtype_bytes)
     kv_seqs = plan.memory.max_seqs(req.workload.prompt_tokens + req.workload.output_tokens)
-    if args.profile != "auto":
+    if args.profile not in (None, "auto"):
         return make_profile(args.profile, steps, req.workload, kv_seqs, "as asked")
     demand = args.tokens_per_day / (args.window_hours * 3600) if args.tokens_per_day is not None else None
     return choose_profile(steps, req.workload, kv_seqs, args.tpot_slo, demand)
