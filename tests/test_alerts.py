@@ -46,7 +46,7 @@ def exported(tmp_path_factory) -> set[str]:
 
     ledger = Ledger.open(tmp_path_factory.mktemp("alerts"))
     meter = Meter(ConstantSource(50.0), FAKE_MODEL_CONFIG, load_prices(), MeterConfig(tick_interval_s=None))
-    metrics = ServerMetrics(SpecEngine(), "m", meter, ledger, admission=Admission(ledger))
+    metrics = ServerMetrics(SpecEngine(), "m", meter, ledger, admission=Admission(ledger), baseline=("cpu-c8", 0.05))
     for h in (metrics.ttft, metrics.itl, metrics.e2e, metrics.queue, metrics.prompt_len, metrics.gen_len):
         h.labels("m").observe(0.1)
     metrics.success.labels("m", "stop").inc()
@@ -116,3 +116,16 @@ def test_promtool_checks_and_unit_tests_the_rules():
     test = subprocess.run(["promtool", "test", "rules", RULE_TESTS.name], cwd=RULE_TESTS.parent,
                           capture_output=True, text=True, timeout=60)
     assert test.returncode == 0 and "SUCCESS" in test.stdout, test.stdout + test.stderr
+
+
+def test_a_servers_baseline_comes_from_a_saved_bench_run(tmp_path) -> None:
+    from tokenfactory.gateway.cli import read_baseline
+
+    run = tmp_path / "cpu-c8.json"
+    run.write_text(json.dumps({"figures": {"joules_per_output_token": 0.02}}))
+    assert read_baseline(str(run)) == ("cpu-c8", 0.02)
+    run.write_text(json.dumps({"figures": {"joules_per_output_token": None}}))
+    with pytest.raises(ValueError, match="no joules_per_output_token"):
+        read_baseline(str(run))
+    with pytest.raises(ValueError, match="cannot read"):
+        read_baseline(str(tmp_path / "missing.json"))

@@ -46,7 +46,7 @@ def build_app(engine: EngineClient, settings: ServerSettings, accounting: Accoun
         tenancy = Tenancy(None, Admission(max_waiting=settings.max_waiting, retry_after_s=settings.retry_after_s))
     metrics = ServerMetrics(engine, settings.served_model_name,
                             accounting.meter if accounting else None, accounting.ledger if accounting else None,
-                            admission=tenancy.admission, models=models)
+                            admission=tenancy.admission, models=models, baseline=settings.baseline)
     handler = Handler(engine, settings, metrics, accounting, tenancy, models)
 
     @asynccontextmanager

@@ -114,6 +114,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prices", default=None, help="a prices TOML file merged over the dated defaults")
     p.add_argument("--device-profile", default=None, help="the prices file's device profile (default: matched)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--baseline", default=None, metavar="RESULT.json",
+                   help="a saved `tokenfactory bench serve --save NAME` run (results/NAME.json) made on this machine: "
+                        "its joules per output token go to /metrics for the J/token regression alert (deploy/)")
     p.add_argument("--auth", action="store_true",
                    help="require API keys (tenants and keys in --data-dir; see `tokenfactory tenants` and `keys`)")
     add_limit_args(p)
@@ -206,6 +209,21 @@ def limit_settings_from_args(args: argparse.Namespace):  # noqa: ANN201 - LimitS
                          timeout_keep_alive_s=args.timeout_keep_alive, header_timeout_s=args.header_timeout,
                          body_timeout_s=args.body_timeout, max_header_bytes=int(args.max_header_bytes),
                          send_buffer_bytes=int(args.send_buffer))
+
+
+def read_baseline(path: str) -> tuple[str, float]:
+    """(run name, J per output token) of a saved bench result; ValueError naming what is missing."""
+    import json
+    from pathlib import Path
+
+    try:
+        figures = json.loads(Path(path).read_text()).get("figures") or {}
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--baseline {path}: cannot read a bench result ({e})") from e
+    value = figures.get("joules_per_output_token")
+    if not isinstance(value, int | float) or value <= 0:
+        raise ValueError(f"--baseline {path}: the run has no joules_per_output_token figure (it measured no energy)")
+    return Path(path).stem, float(value)
 
 
 def display_url(url: str) -> str:
@@ -466,6 +484,7 @@ def serve(args: argparse.Namespace) -> int:
 
     try:
         limits = limit_settings_from_args(args)
+        baseline = read_baseline(args.baseline) if getattr(args, "baseline", None) else None
         from tokenfactory.gateway.profile import apply_profile
 
         profile_line = apply_profile(args, getattr(args, "profile_defaults", {}))
@@ -489,7 +508,8 @@ def serve(args: argparse.Namespace) -> int:
                               max_body_bytes=int(args.max_body_bytes),
                               stream_send_timeout_s=args.stream_send_timeout,
                               batch=BatchSettings(max_lines_in_flight=args.batch_lines_in_flight,
-                                                  prices_path=args.prices))
+                                                  prices_path=args.prices),
+                              baseline=baseline)
     tenancy, auth_line = build_tenancy(args, client, accounting)
     app = build_app(client, settings, accounting, on_shutdown=shutdown, tenancy=tenancy,
                     models=started.extra_models)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -245,9 +245,14 @@ class AdmissionCollector(Collector):
 class ServerMetrics:
     def __init__(self, engine: EngineClient, model_name: str, meter: Meter | None = None,
                  ledger: Ledger | None = None, *, admission: Admission | None = None,
-                 models: Mapping[str, EngineClient] | None = None) -> None:
+                 models: Mapping[str, EngineClient] | None = None, baseline: tuple[str, float] | None = None) -> None:
+        """`baseline`: a saved bench run's name and joules per output token (deploy/'s regression alert)."""
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(engine, model_name, models))
+        if baseline is not None:
+            Gauge(P + "baseline_joules_per_output_token", "Joules per output token of the saved bench run this "
+                  "server was started with (serve --baseline): the J/token regression alert's reference.",
+                  ["run"], registry=self.registry).labels(baseline[0]).set(baseline[1])
         if admission is not None:
             self.registry.register(AdmissionCollector(admission))
         if meter is not None:

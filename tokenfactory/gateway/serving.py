@@ -49,6 +49,7 @@ class ServerSettings:
     retry_after_s: int = 2
     stream_send_timeout_s: float = 30.0  # a streaming client that takes no data this long is dropped
     batch: BatchSettings | None = None  # the Batch API's runner (gateway/batch.py); None: its defaults
+    baseline: tuple[str, float] | None = None  # (bench run, its J/output token): /metrics for the regression alert
 
 
 @dataclass
