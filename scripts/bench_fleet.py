@@ -4,7 +4,8 @@ On 2 cores the replicas share the CPU, so fleet throughput is not the figure. Wh
   1. routing overhead: TTFT p50 of a request sent straight to a server, against the same request through a
      gateway whose only replica is that server (`--replicas 0 --backend URL`): the difference is what the
      gateway adds (auth off, tokenize, admit, route, proxy, settle). Requests alternate between the two paths,
-     each with its own fresh prompt, so drift and the prefix cache favour neither.
+     each with its own fresh prompt, so drift and the prefix cache favour neither. And the same for our own
+     replicas: one engine in the server's process against it in a child process behind the fleet.
   2. the routing decision alone: `RoutingPolicy.choose` per policy, 2..64 replicas, 512-token prompts.
   3. prefix-hit rate by policy: 2 local replicas, a shared-prefix workload (4 system prompts of ~400 tokens,
      48 requests, 4 in flight), the fleet's prefix-cache hits over queries from /metrics.
@@ -93,6 +94,35 @@ def routing_overhead(tmp: Path, num_requests: int) -> dict:
             "ttft_p90_through_gateway_ms": round(statistics.quantiles(through, n=10)[-1] * 1e3, 2)}
 
 
+def replica_overhead(tmp: Path, num_requests: int) -> dict:
+    """Our own replicas: TTFT p50 of one engine in the server's process against the same engine behind the fleet
+    in a child process (`--replicas 2`, ties going round, so each request finds an idle replica), 1 thread each,
+    requests one at a time and alternating between the two servers."""
+    single = start_server(tmp / "single", "--threads", "1")
+    fleet = start_server(tmp / "fleet", "--replicas", "2", "--threads", "1", timeout=300)
+    try:
+        rng = random.Random(4)
+
+        async def run() -> tuple[list[float], list[float]]:
+            inproc, replica = [], []
+            async with httpx.AsyncClient(timeout=60) as http:
+                for _ in range(6):
+                    await ttft(http, single.url, prompt(rng, 60))
+                    await ttft(http, fleet.url, prompt(rng, 60))
+                for i in range(num_requests):
+                    pair = [(single.url, inproc), (fleet.url, replica)]
+                    for url, out in (pair if i % 2 == 0 else pair[::-1]):
+                        out.append(await ttft(http, url, prompt(rng, 60)))
+            return inproc, replica
+        inproc, replica = asyncio.run(run())
+    finally:
+        fleet.stop()
+        single.stop()
+    a, b = statistics.median(inproc), statistics.median(replica)
+    return {"num_requests": num_requests, "threads_per_engine": 1, "ttft_p50_in_process_ms": round(a * 1e3, 2),
+            "ttft_p50_process_replica_ms": round(b * 1e3, 2), "added_ttft_p50_ms": round((b - a) * 1e3, 2)}
+
+
 def decision_time() -> dict:
     rng = random.Random(1)
     out = {}
@@ -172,18 +202,24 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(ROOT / "results" / "bench-fleet.json"))
     ap.add_argument("--requests", type=int, default=60)
+    ap.add_argument("--only", default=None, help="comma-separated parts: backend,replica,decision,prefix,energy")
     args = ap.parse_args()
+    parts = set(args.only.split(",")) if args.only else {"backend", "replica", "decision", "prefix", "energy"}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        for sub in ("backend", "gateway", "least-work", "prefix", "energy-least-work", "energy-energy"):
+        for sub in ("backend", "gateway", "single", "fleet", "least-work", "prefix", "energy-least-work",
+                    "energy-energy"):
             (tmp / sub).mkdir()
-        result = {"machine": {"cpu": platform.processor() or _cpu(), "num_cpus": os.cpu_count()},
-                  "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                        cwd=ROOT).stdout.strip(),
-                  "routing_overhead": routing_overhead(tmp, args.requests),
-                  "decision": decision_time(),
-                  "prefix": prefix_hit_rates(tmp),
-                  "energy": energy_by_router(tmp)}
+        result: dict = {"machine": {"cpu": platform.processor() or _cpu(), "num_cpus": os.cpu_count()},
+                        "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                              text=True, cwd=ROOT).stdout.strip()}
+        for name, part, run in (("routing_overhead", "backend", lambda: routing_overhead(tmp, args.requests)),
+                                ("replica_overhead", "replica", lambda: replica_overhead(tmp, args.requests)),
+                                ("decision", "decision", decision_time),
+                                ("prefix", "prefix", lambda: prefix_hit_rates(tmp)),
+                                ("energy", "energy", lambda: energy_by_router(tmp))):
+            if part in parts:
+                result[name] = run()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
