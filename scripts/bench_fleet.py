@@ -64,24 +64,31 @@ async def ttft(http: httpx.AsyncClient, url: str, text: str) -> float:
     return first
 
 
+def alternating_ttfts(url_a: str, url_b: str, num_requests: int, seed: int) -> tuple[list[float], list[float]]:
+    """TTFTs of the same kind of request to two servers, one at a time, alternating which goes first, each with a
+    fresh 60-word prompt (so neither gains from the prefix cache or from drift); both paths warmed first."""
+    rng = random.Random(seed)
+
+    async def run() -> tuple[list[float], list[float]]:
+        a, b = [], []
+        async with httpx.AsyncClient(timeout=60) as http:
+            for _ in range(6):
+                await ttft(http, url_a, prompt(rng, 60))
+                await ttft(http, url_b, prompt(rng, 60))
+            for i in range(num_requests):
+                pair = [(url_a, a), (url_b, b)]
+                for url, out in (pair if i % 2 == 0 else pair[::-1]):
+                    out.append(await ttft(http, url, prompt(rng, 60)))
+        return a, b
+    return asyncio.run(run())
+
+
 def routing_overhead(tmp: Path, num_requests: int) -> dict:
+    """An external server straight, against the same server behind the gateway (`--replicas 0 --backend`)."""
     backend = start_server(tmp / "backend")
     gateway = start_server(tmp / "gateway", "--replicas", "0", "--backend", backend.url + "/v1")
     try:
-        rng = random.Random(0)
-
-        async def run() -> tuple[list[float], list[float]]:
-            direct, through = [], []
-            async with httpx.AsyncClient(timeout=60) as http:
-                for _ in range(5):  # warm both paths
-                    await ttft(http, backend.url, prompt(rng, 60))
-                    await ttft(http, gateway.url, prompt(rng, 60))
-                for i in range(num_requests):
-                    pair = [(backend.url, direct), (gateway.url, through)]
-                    for url, out in (pair if i % 2 == 0 else pair[::-1]):
-                        out.append(await ttft(http, url, prompt(rng, 60)))
-            return direct, through
-        direct, through = asyncio.run(run())
+        direct, through = alternating_ttfts(backend.url, gateway.url, num_requests, seed=0)
     finally:
         gateway.stop()
         backend.stop()
@@ -95,26 +102,12 @@ def routing_overhead(tmp: Path, num_requests: int) -> dict:
 
 
 def replica_overhead(tmp: Path, num_requests: int) -> dict:
-    """Our own replicas: TTFT p50 of one engine in the server's process against the same engine behind the fleet
-    in a child process (`--replicas 2`, ties going round, so each request finds an idle replica), 1 thread each,
-    requests one at a time and alternating between the two servers."""
+    """Our own replicas: one engine in the server's process against the same engine behind the fleet in a child
+    process (`--replicas 2`, ties going round, so each request finds an idle replica), 1 thread each."""
     single = start_server(tmp / "single", "--threads", "1")
     fleet = start_server(tmp / "fleet", "--replicas", "2", "--threads", "1", timeout=300)
     try:
-        rng = random.Random(4)
-
-        async def run() -> tuple[list[float], list[float]]:
-            inproc, replica = [], []
-            async with httpx.AsyncClient(timeout=60) as http:
-                for _ in range(6):
-                    await ttft(http, single.url, prompt(rng, 60))
-                    await ttft(http, fleet.url, prompt(rng, 60))
-                for i in range(num_requests):
-                    pair = [(single.url, inproc), (fleet.url, replica)]
-                    for url, out in (pair if i % 2 == 0 else pair[::-1]):
-                        out.append(await ttft(http, url, prompt(rng, 60)))
-            return inproc, replica
-        inproc, replica = asyncio.run(run())
+        inproc, replica = alternating_ttfts(single.url, fleet.url, num_requests, seed=4)
     finally:
         fleet.stop()
         single.stop()
