@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -42,6 +41,7 @@ from tokenfactory.fleet.router import (  # noqa: E402
     StepModel,
     make_router,
 )
+from tokenfactory.meter.modelled import cpu_model_name  # noqa: E402
 
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa".split()
 
@@ -203,7 +203,7 @@ def main() -> int:
         for sub in ("backend", "gateway", "single", "fleet", "least-work", "prefix", "energy-least-work",
                     "energy-energy"):
             (tmp / sub).mkdir()
-        result: dict = {"machine": {"cpu": platform.processor() or _cpu(), "num_cpus": os.cpu_count()},
+        result: dict = {"machine": {"cpu": cpu_model_name(), "num_cpus": os.cpu_count()},
                         "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                               text=True, cwd=ROOT).stdout.strip()}
         for name, part, run in (("routing_overhead", "backend", lambda: routing_overhead(tmp, args.requests)),
@@ -217,13 +217,6 @@ def main() -> int:
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     return 0
-
-
-def _cpu() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 if __name__ == "__main__":

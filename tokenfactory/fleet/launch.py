@@ -101,10 +101,9 @@ def cpu_power(num_replicas: int, tdp_watts: float | None = None) -> DevicePower:
     the router spreads onto idle cores, which finish sooner while the package's static power is paid anyway.
     Measured here (scripts/bench_fleet.py, 2 replicas, 2 streams): packing both streams onto one replica cost
     0.0275 J/token against 0.0188 spread (modelled source)."""
-    from tokenfactory.meter.modelled import lookup_tdp
+    from tokenfactory.meter.modelled import cpu_model_name, lookup_tdp
 
-    model = _cpu_model()
-    power = lookup_tdp(model, os.cpu_count() or 1, tdp_watts)
+    power = lookup_tdp(cpu_model_name(), os.cpu_count() or 1, tdp_watts)
     share = power.tdp_watts / max(num_replicas, 1)
     return DevicePower(share, share, "cpu-package", power.basis)
 
@@ -117,15 +116,34 @@ def catalog_power(device: str) -> DevicePower:
                        f"catalog {d.name}: {d.tdp_w.value:g} W TDP, {d.idle_w.value:g} W idle")
 
 
-def _cpu_model() -> str | None:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
+def replica_starter(config: EngineConfig, threads: int, use_ray: bool, ray_address: str | None,
+                    hang_timeout_s: float) -> tuple[str, Callable[[str], EngineClient]]:
+    """(kind, start(replica_id)): a Ray actor with its threads as num_cpus (a GPU with --device cuda) on the
+    Ray at `ray_address` (a local one when None, started once), or a spawned local process."""
+    if use_ray:
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
+        from tokenfactory.fleet.ray_replica import start_ray_replica
+
+        def start_ray(name: str) -> EngineClient:
+            return start_ray_replica(name, config, threads, num_cpus=threads,
+                                     num_gpus=1.0 if config.device.startswith("cuda") else 0.0,
+                                     hang_timeout_s=hang_timeout_s)
+        return "ray", start_ray
+    from tokenfactory.fleet.process import start_process_replica
+
+    def start_process(name: str) -> EngineClient:
+        return start_process_replica(name, config, threads, hang_timeout_s)
+    return "process", start_process
+
+
+def local_replica(name: str, kind: str, start: Callable[[str], EngineClient], client: EngineClient,
+                  config: EngineConfig, power: DevicePower) -> Replica:
+    """A started local replica as the fleet keeps it: it restarts the way it was started."""
+    return Replica(name, client, kind, device=config.device, power_source="meter", idle_watts=power.idle_watts,
+                   busy_watts=power.busy_watts, restart=_restarter(start, name))
 
 
 def start_local_replicas(config: EngineConfig, num_replicas: int, ray_address: str | None, use_ray: bool,
@@ -134,29 +152,11 @@ def start_local_replicas(config: EngineConfig, num_replicas: int, ray_address: s
     """N replicas of `config`, started in parallel; each restarts the same way when it dies. `prefix` keeps
     replica ids unique across models; `num_sharing`: local replicas sharing this machine's cores in all."""
     threads = threads or max(1, (os.cpu_count() or 1) // (num_sharing or num_replicas))
-    if use_ray:
-        import ray
-
-        if not ray.is_initialized():
-            ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
-        from tokenfactory.fleet.ray_replica import start_ray_replica
-
-        def start(name: str) -> EngineClient:
-            return start_ray_replica(name, config, threads, num_cpus=threads,
-                                     num_gpus=1.0 if config.device.startswith("cuda") else 0.0,
-                                     hang_timeout_s=hang_timeout_s)
-        kind = "ray"
-    else:
-        from tokenfactory.fleet.process import start_process_replica
-
-        def start(name: str) -> EngineClient:
-            return start_process_replica(name, config, threads, hang_timeout_s)
-        kind = "process"
+    kind, start = replica_starter(config, threads, use_ray, ray_address, hang_timeout_s)
     names = [f"{prefix}{kind[0]}{i}" for i in range(num_replicas)]
     with concurrent.futures.ThreadPoolExecutor(num_replicas) as pool:
         clients = list(pool.map(start, names))
-    return [Replica(name, client, kind, device=config.device, power_source="meter", idle_watts=power.idle_watts,
-                    busy_watts=power.busy_watts, restart=_restarter(start, name))
+    return [local_replica(name, kind, start, client, config, power)
             for name, client in zip(names, clients, strict=True)]
 
 

@@ -101,32 +101,13 @@ def start_autoscaler(args: argparse.Namespace, fleet: Fleet, config: EngineConfi
 
 def replica_factory(args: argparse.Namespace, config: EngineConfig, threads: int, power: DevicePower
                     ) -> Callable[[str, str], Replica]:
-    """How the controller starts a replica: a Ray actor with --ray (on the Ray the fleet's replicas use), else
-    a local process; it restarts the same way when it dies."""
-    from tokenfactory.fleet.fleet import Replica
+    """How the controller starts a replica: the way the fleet's own are started (fleet/launch.py: a Ray actor
+    with --ray, else a local process), restarted the same way when it dies."""
+    from tokenfactory.fleet.launch import local_replica, replica_starter
 
     def factory(replica_id: str, _option: str) -> Replica:
-        if args.ray is not None:
-            import ray
-
-            from tokenfactory.fleet.ray_replica import start_ray_replica
-
-            if not ray.is_initialized():
-                ray.init(address=args.ray or None, include_dashboard=False, log_to_driver=False)
-
-            def start() -> object:
-                return start_ray_replica(replica_id, config, threads, num_cpus=threads,
-                                         num_gpus=1.0 if config.device.startswith("cuda") else 0.0,
-                                         hang_timeout_s=args.replica_timeout)
-            kind = "ray"
-        else:
-            from tokenfactory.fleet.process import start_process_replica
-
-            def start() -> object:
-                return start_process_replica(replica_id, config, threads, args.replica_timeout)
-            kind = "process"
-        return Replica(replica_id, start(), kind, device=config.device, power_source="meter",  # type: ignore[arg-type]
-                       idle_watts=power.idle_watts, busy_watts=power.busy_watts, restart=start)  # type: ignore[arg-type]
+        kind, start = replica_starter(config, threads, args.ray is not None, args.ray or None, args.replica_timeout)
+        return local_replica(replica_id, kind, start, start(replica_id), config, power)
     return factory
 
 

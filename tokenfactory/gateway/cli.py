@@ -447,10 +447,7 @@ def _add_backends(args: argparse.Namespace, groups: list[_ModelGroup]) -> list:
                 raise ValueError(f"--backend {spec.url} serves {served!r}, which no replica here runs: give its "
                                  f"tokenizer (tokenizer=PATH to a GGUF file or Hugging Face folder)")
             loaded = load_model(spec.tokenizer)
-            from tokenfactory.engine.client import ModelInfo
-
-            info = ModelInfo(str(loaded.path), loaded.config.max_position_embeddings, loaded.tokenizer.vocab_size,
-                             loaded.config, eos_token_ids=tuple(loaded.tokenizer.eos_token_ids))
+            info = model_info(None, loaded)
             group = _ModelGroup(served, info, loaded.tokenizer, str(loaded.path), [])
             groups.append(group)
         replicas, found = backend_replicas([spec], group.name, group.info, group.tokenizer, prices_for, i)
@@ -465,10 +462,12 @@ def _router(args: argparse.Namespace):  # noqa: ANN202 - RoutingPolicy
     return make_router(args.router, args.sticky_sessions)
 
 
-def model_info(config, loaded):  # noqa: ANN001, ANN201 - ModelInfo of a model loaded here (a backends-only fleet)
+def model_info(config, loaded):  # noqa: ANN001, ANN201 - ModelInfo of a model loaded here (no engine of ours runs it)
+    """`config` None: the model's own context window (a backend's model, whose server sets its limit)."""
     from tokenfactory.engine.client import ModelInfo
 
-    return ModelInfo(str(loaded.path), config.max_model_len or loaded.config.max_position_embeddings,
+    max_model_len = config.max_model_len if config is not None else None
+    return ModelInfo(str(loaded.path), max_model_len or loaded.config.max_position_embeddings,
                      loaded.tokenizer.vocab_size, loaded.config, eos_token_ids=tuple(loaded.tokenizer.eos_token_ids))
 
 

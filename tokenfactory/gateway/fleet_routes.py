@@ -9,7 +9,6 @@ outstanding tokens the router counts, and counters of requests routed, re-routed
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 from collections.abc import Iterator, Sequence
 
 from fastapi import FastAPI, Request
@@ -19,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from tokenfactory.fleet.fleet import Fleet, ReplicaStatus
 from tokenfactory.gateway.admin import Tenancy
+from tokenfactory.gateway.dashboard import is_loopback
 from tokenfactory.gateway.errors import APIError
 
 P = "tokenfactory:"
@@ -88,12 +88,7 @@ def install_fleet_routes(app: FastAPI, fleets: Sequence[Fleet], registry: Collec
             if not tenancy.principal(request).is_admin:
                 raise APIError(403, "managing replicas needs an admin key", "permission_error")
             return
-        host = request.client.host if request.client else ""
-        try:
-            loopback = ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            loopback = False
-        if not loopback:
+        if not is_loopback(request.client.host if request.client else ""):
             raise APIError(403, "without --auth, replicas are managed from this machine only", "permission_error")
 
     @app.get("/fleet/replicas")
