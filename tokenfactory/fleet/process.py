@@ -31,6 +31,7 @@ class ProcessTransport:
                  conn: multiprocessing.connection.Connection) -> None:
         self.process, self.conn = process, conn
         self._send_lock = threading.Lock()  # the event loop and the receiver (aborts) both send
+        self._close_lock = threading.Lock()  # the receiver reaps a dead child while shutdown may close too
 
     @property
     def pid(self) -> int | None:
@@ -54,11 +55,14 @@ class ProcessTransport:
                                                                        else "")) from e
 
     def close(self, timeout_s: float) -> None:
-        self.process.join(timeout_s)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(5)
-        self.conn.close()
+        """Join (then kill) the child and close the pipe; idempotent, and safe from two threads at once."""
+        with self._close_lock:
+            self.process.join(timeout_s)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join(5)
+            if not self.conn.closed:
+                self.conn.close()
 
     def kill(self) -> None:
         if self.process.is_alive():

@@ -141,9 +141,9 @@ class RemoteEngine:
             except WorkerLost:
                 pass
         self._fail_all(f"replica {self.name} was shut down")
-        self._transport.close(timeout)
         if self._receiver.is_alive() and self._receiver is not threading.current_thread():
-            self._receiver.join(timeout)
+            self._receiver.join(min(timeout, 2.0))  # it stops within one poll; then nothing reads the pipe we close
+        self._transport.close(timeout)
 
     def kill(self, reason: str) -> None:
         """Stop the worker now and fail its streams (a hung replica)."""
