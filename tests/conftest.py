@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
+
 import pytest
+
+# The machine profile (engine/tuning.py) is measured once per test session into a private cache, never read from
+# the developer's ~/.cache: every run measures what it tests. Set before any engine, child process or Ray starts.
+if "TOKENFACTORY_PROFILE_CACHE" not in os.environ:
+    os.environ["TOKENFACTORY_PROFILE_CACHE"] = tempfile.mkdtemp(prefix="tokenfactory-profiles-")
+    atexit.register(shutil.rmtree, os.environ["TOKENFACTORY_PROFILE_CACHE"], ignore_errors=True)
 
 from tokenfactory.models.loader import LoadedModel, load_model
 

@@ -21,6 +21,7 @@ from tokenfactory.bench.figures import latency_figures
 from tokenfactory.bench.loadgen import arrival_times
 from tokenfactory.bench.results import RunResult, compare_figures, load_runs
 from tokenfactory.cli import main as cli_main
+from tokenfactory.engine.tuning import cpu_identity
 
 pytestmark = pytest.mark.slow
 
@@ -120,6 +121,10 @@ def test_save_and_compare_round_trip(tf_server, tmp_path, capsys):
     first = json.loads((tmp_path / "base.json").read_text())
     assert first["schema"] == "tokenfactory.bench.run/1" and first["status"] == "complete"
     assert len(first["samples"]) == 8 and first["environment"]["server"]["owned_by"] == "tokenfactory"
+    # The server's machine profile (engine/tuning.py) rides along: the run says which kernel choices made it.
+    profile = first["environment"]["server"]["machine_profile"]
+    assert profile["source"] in ("measured", "cached") and profile["cpu"] == cpu_identity()[0]
+    assert profile["max_packed_rows"] and all(0 <= v <= 64 for v in profile["max_packed_rows"].values())
     capsys.readouterr()
     code = bench("serve", "--base-url", url, *SMALL, "--concurrency", "1", "--save", "serial",
                  "--compare", "base", "--results-dir", str(tmp_path))

@@ -5,6 +5,8 @@ and stays dense. A Q4_K file served with quantization "auto" keeps its codes on 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -52,7 +54,8 @@ def test_a_q4_k_file_keeps_its_codes_on_the_int4_kernel(kquant):
     if type_name == "Q4_K":
         # Every decoder linear layer: the file's own codes and scales, on the packed int4 kernel.
         assert engine.quant_summary.num_quantized_layers >= 4 * loaded.config.num_layers
-        assert formats == {"int4-g32 via cpu-int4pack (packed for <= 12 rows)"}, formats
+        # (The crossover is what the machine profile measured for each shape: engine/tuning.py.)
+        assert all(re.fullmatch(r"int4-g32 via cpu-int4pack \(packed for <= \d+ rows\)", f) for f in formats), formats
     elif type_name == "Q6_K":
         # Exact int8 groups of 16 have no packed CPU kernel (torch's int4 planes need groups of 32+): dense path.
         assert formats and all(f.startswith("int8-g16 via none") for f in formats), formats

@@ -109,9 +109,12 @@ class EngineConfig:
     # per call (less memory, slower batches); `QuantOptions.dense` in tokenfactory.layers.quant, validated there.
     quantization_dense: str = "copy"
     seed: int = 0
-    # CPU: run steps of at most this many tokens on one thread (0: off). Pays where the cores are shared with
-    # other busy threads, as in a server (its event loop, clients on the same machine); `serve` turns it on.
-    single_thread_step_tokens: int = 0
+    # CPU: run steps of at most this many tokens on one thread (0: off; None: as the machine profile measured,
+    # which times small steps on one thread and on all with a gateway-like neighbour; engine/tuning.py).
+    single_thread_step_tokens: int | None = None
+    # The machine profile (engine/tuning.py): "auto" (cached per CPU, torch and model shapes, measured at the
+    # first start), "remeasure", or "off" (the constant crossovers of layers/quant.py, all threads always).
+    machine_profile: str = "auto"
     scheduling_policy: str = "fcfs"
     # Of max_num_seqs, the share of seats kept for the batch priority band while it has work (engine/scheduler.py):
     # batch jobs still finish on a busy server; interactive work never waits for the rest.

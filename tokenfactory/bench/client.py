@@ -264,6 +264,7 @@ class TargetInfo:
     owned_by: str | None = None
     root: str | None = None
     max_model_len: int | None = None
+    machine_profile: dict[str, Any] | None = None  # a tokenfactory server's measured kernel choices
     error_kind: str | None = None
     error: str | None = None
 
@@ -296,4 +297,5 @@ async def probe_target(client: httpx.AsyncClient, base_url: str, api_key: str | 
         return TargetInfo()
     first = models[0] if models and isinstance(models[0], dict) else {}
     return TargetInfo(tuple(str(m.get("id")) for m in models if isinstance(m, dict)), first.get("owned_by"),
-                      first.get("root"), first.get("max_model_len"))
+                      first.get("root"), first.get("max_model_len"),
+                      first.get("machine_profile") if isinstance(first.get("machine_profile"), dict) else None)

@@ -29,6 +29,9 @@ from tokenfactory.progress import track
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: the bundled model)")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", default="auto", help="weights: auto (a GGUF's own blocks), none, int8, int4")
+    p.add_argument("--machine-profile", default="auto", choices=["auto", "remeasure", "off"],
+                   help="the engine's measured kernel crossovers and thread policy (off: built-in constants)")
     p.add_argument("--num-requests", type=int, default=128)
     p.add_argument("--prompt-len", default="32:512", help="min:max prompt tokens")
     p.add_argument("--output-len", default="32:256", help="min:max output tokens")
@@ -76,7 +79,8 @@ def run_engine(args: argparse.Namespace) -> tuple[dict[str, Any], list[tuple[lis
     from tokenfactory.types import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                                    max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed))
+                                    max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
+                                    quantization=args.quantization, machine_profile=args.machine_profile))
     engine.warmup()
     workload = make_workload(args.num_requests, _range(args.prompt_len), _range(args.output_len),
                              engine.model_config.vocab_size, args.seed)

@@ -233,7 +233,7 @@ def environment(info: TargetInfo, outcome: LoadOutcome | None) -> dict[str, Any]
             "platform": platform.platform(), "hostname": platform.node(), "cpu_model": cpu_model_name(),
             "num_cpus": os.cpu_count(), "started_at_utc": started,
             "server": {"owned_by": info.owned_by, "root": info.root, "max_model_len": info.max_model_len,
-                       "models": list(info.model_ids)}}
+                       "models": list(info.model_ids), "machine_profile": info.machine_profile}}
 
 
 def timeseries(trace: MemoryTrace) -> list[dict[str, Any]]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tokenfactory.types import ParameterError, RequestOutput, SamplingParams, StepStats
 
@@ -145,6 +145,8 @@ class ModelInfo:
     device: str = "cpu"
     dtype: str = "bfloat16"
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # The machine profile the engine runs with (engine/tuning.py MachineProfile.summary), None when off.
+    machine_profile: dict[str, Any] | None = None
 
     def check_prompt(self, token_ids: list[int]) -> None:
         """Ids in the vocabulary, non-empty, and room for at least one generated token."""

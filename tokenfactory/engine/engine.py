@@ -90,6 +90,7 @@ class LLMEngine:
                                   quantized=loaded.quantized,
                                   quant_options=QuantOptions(dense=config.quantization_dense),
                                   single_thread_step_tokens=config.single_thread_step_tokens,
+                                  machine_profile=config.machine_profile,
                                   kv_cache_dtype=config.kv_cache_dtype)
         # Sized once the weights are placed: a default budget is a share of what is free after them.
         self.capacity: KVCapacity = plan_kv_cache(loaded.config, config, self.device, self.dtype)
@@ -97,7 +98,9 @@ class LLMEngine:
         self.runner.allocate_kv_cache(self.capacity.num_blocks, self.max_model_len)
         self.info = ModelInfo(self.model_path, self.max_model_len, loaded.config.vocab_size, loaded.config,
                               device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
-                              eos_token_ids=tuple(sorted(self.eos_token_ids)))
+                              eos_token_ids=tuple(sorted(self.eos_token_ids)),
+                              machine_profile=self.runner.machine_profile.summary() if self.runner.machine_profile
+                              else None)
         self.kv = BlockManager(self.capacity.num_blocks, config.block_size, config.enable_prefix_caching,
                                sliding_window=loaded.config.kv_release_window)
         if config.scheduling_policy not in POLICIES:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenfactory.config import ModelConfig
+from tokenfactory.engine import tuning
 from tokenfactory.engine.placement import place_model
 from tokenfactory.engine.sampler import SampledToken, Sampler, SamplingBatch
 from tokenfactory.engine.scheduler import SchedulerOutput
@@ -21,7 +22,7 @@ from tokenfactory.engine.sequence import Draft, Sequence
 from tokenfactory.layers.attention import AttentionMetadata, PrefillSpan
 from tokenfactory.layers.cpu_kernels import paged_decode_kernel
 from tokenfactory.layers.kv_quant import SCALE_DTYPE, KVFormat
-from tokenfactory.layers.quant import QuantOptions
+from tokenfactory.layers.quant import QuantOptions, QuantSummary
 from tokenfactory.layers.quant_formats import RawGGUFTensors
 from tokenfactory.layers.rotary import Rotary
 from tokenfactory.models.llama import LlamaForCausalLM
@@ -64,7 +65,8 @@ class ModelRunner:
                  dtype: torch.dtype, num_blocks: int | None, block_size: int, max_model_len: int | None,
                  sampler: Sampler, quantization: str = "none", raw_gguf: RawGGUFTensors | None = None,
                  quantized: dict | None = None, quant_options: QuantOptions | None = None,
-                 single_thread_step_tokens: int = 0, kv_cache_dtype: str = "auto") -> None:
+                 single_thread_step_tokens: int | None = 0, kv_cache_dtype: str = "auto",
+                 machine_profile: str = "off") -> None:
         """`num_blocks`/`max_model_len` None: the caller sizes the KV cache once the weights are placed (what
         is free then is what the cache may take) and calls `allocate_kv_cache`."""
         self.cfg = model_config
@@ -74,12 +76,21 @@ class ModelRunner:
         self.sampler = sampler
         self.max_threads = torch.get_num_threads()
         self.num_threads = self.max_threads
-        self.single_thread_step_tokens = single_thread_step_tokens
         # Layer by layer, quantized as each lands: the full-precision model never sits beside the quantized one.
         self.model: LlamaForCausalLM
         self.model, self.quant_summary = place_model(model_config, weights, device=device, dtype=dtype,
                                                      quantization=quantization, raw_gguf=raw_gguf,
                                                      quantized=quantized, options=quant_options)
+        # Crossovers and the small-step thread policy measured for this machine and these shapes (cached).
+        self.machine_profile = tuning.load_or_measure(self.model, device, machine_profile)
+        if self.machine_profile is not None:
+            tuning.apply(self.model, self.machine_profile)
+            self.quant_summary = QuantSummary(self.quant_summary.scheme, {  # the layers' crossovers as they now are
+                path: self.model.get_submodule(path).describe() for path in self.quant_summary.path_to_format})
+        if single_thread_step_tokens is None:
+            policy = self.machine_profile.threads if self.machine_profile else None
+            single_thread_step_tokens = policy.single_thread_step_tokens if policy else 0
+        self.single_thread_step_tokens = single_thread_step_tokens
         if device.type == "cpu":
             paged_decode_kernel()  # build (or load) it now, at start-up, not in the first step
         self.kv_caches: list[tuple[torch.Tensor, ...]] = []

@@ -97,7 +97,8 @@ def build_app(engine: EngineClient, settings: ServerSettings, accounting: Accoun
     async def list_models() -> dict:
         return {"object": "list", "data": [{
             "id": served.name, "object": "model", "created": int(handler.started), "owned_by": "tokenfactory",
-            "root": served.name, "max_model_len": served.engine.info.max_model_len}
+            "root": served.name, "max_model_len": served.engine.info.max_model_len,
+            "machine_profile": served.engine.info.machine_profile}  # engine/tuning.py: what this engine measured
             for served in handler.models.values()]}
 
     @app.get("/v1/usage")

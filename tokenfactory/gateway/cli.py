@@ -53,10 +53,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="quantized layers' large steps: copy (keep a dequantized copy: fast batches, more memory) "
                         "or on-the-fly (codes and scales only)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--single-thread-step-tokens", type=int, default=0,
-                   help="run steps of at most this many tokens on one CPU thread (0: off, the default: with the "
-                        "engine built and stepped on its own thread, small steps gain from every core; see "
-                        "docs/benchmarks.md)")
+    p.add_argument("--single-thread-step-tokens", type=int, default=None,
+                   help="run steps of at most this many tokens on one CPU thread (0: off; default: what the machine "
+                        "profile measured, see --machine-profile and docs/benchmarks.md)")
+    p.add_argument("--machine-profile", default="auto", choices=["auto", "remeasure", "off"],
+                   help="CPU kernel crossovers and the small-step thread policy, measured for this CPU and model: "
+                        "auto (cached, measured at the first start, ~5 s), remeasure, or off (built-in constants); "
+                        "`tokenfactory doctor --machine` prints it")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for the engine's kernels (default: PyTorch's, one per core). On a machine "
                         "whose cores are also busy with other work, fewer threads avoid OpenMP's spin-wait collapse")
@@ -81,7 +84,8 @@ def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201 - EngineC
                         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                         quantization_dense=getattr(args, "quantization_dense", "copy"),
                         quantization=args.quantization,
-                        single_thread_step_tokens=getattr(args, "single_thread_step_tokens", 0),
+                        single_thread_step_tokens=getattr(args, "single_thread_step_tokens", None),
+                        machine_profile=getattr(args, "machine_profile", "auto"),
                         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                         scheduling_policy=scheduling_policy(args))
 

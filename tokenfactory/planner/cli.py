@@ -11,7 +11,8 @@ from dataclasses import replace
 from typing import Any
 
 PLAN_HELP = "capacity, speed, cost and energy of a model on a card, before you rent or buy"
-DOCTOR_HELP = "pre-flight (will it fit?) or, with --url, why a running server is slow"
+DOCTOR_HELP = ("pre-flight (will it fit?), with --url why a running server is slow, or with --machine the kernel "
+               "crossovers and thread policy the engine measured on this machine")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -30,6 +31,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     doctor.add_argument("--free-memory-gib", type=float,
                         help="free device memory (default: the card's memory x the engine's share)")
     doctor.add_argument("--kv-cache-gib", type=float, help="KV cache size the server will allocate")
+    machine = doctor.add_argument_group("machine profile")
+    machine.add_argument("--machine", action="store_true",
+                         help="print this machine's profile for MODEL (a GGUF file or HF folder; default the bundled "
+                              "model): cached, or measured now as the engine's first start would")
+    machine.add_argument("--remeasure", action="store_true", help="with --machine: measure again and cache it")
+    machine.add_argument("--quantization", default="auto", help="with --machine: the engine's weight scheme")
+    machine.add_argument("--threads", type=int, help="with --machine: CPU threads (default: PyTorch's)")
     doctor.set_defaults(func=cmd_doctor)
 
 
@@ -242,9 +250,30 @@ def _print_listing(catalog: Any, devices: bool, as_json: bool) -> None:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
+    if args.machine:
+        return _doctor_machine(args)
     if args.url:
         return _doctor_live(args)
     return _doctor_preflight(args)
+
+
+def _doctor_machine(args: argparse.Namespace) -> int:
+    """The engine's own start-up path (load, place, profile), so what it prints is what `serve` would use."""
+    import torch
+
+    from tokenfactory.config import EngineConfig
+    from tokenfactory.engine.engine import LLMEngine
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    engine = LLMEngine(EngineConfig(model=args.model, quantization=args.quantization, kv_cache_memory=16 << 20,
+                                    max_model_len=256, machine_profile="remeasure" if args.remeasure else "auto"))
+    profile = engine.runner.machine_profile
+    if profile is None:
+        print(f"no machine profile: the engine runs on {engine.device}, which keeps its built-in constants")
+        return 0
+    print(json.dumps(profile.to_json(), indent=2) if args.json else "\n".join(profile.describe()))
+    return 0
 
 
 def _doctor_live(args: argparse.Namespace) -> int:

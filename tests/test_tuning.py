@@ -1,0 +1,175 @@
+"""The machine profile (engine/tuning.py): measured at the first start for this CPU and these shapes, cached,
+applied to every quantized layer, re-measured on request, refused when it is for another machine."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from tests.reference import tiny_gguf_file
+from tokenfactory.config import EngineConfig
+from tokenfactory.engine import tuning
+from tokenfactory.engine.engine import LLMEngine
+from tokenfactory.layers.quant import KERNELS, QuantizedLinear
+from tokenfactory.models.loader import LoadedModel, load_model
+from tokenfactory.types import ParameterError, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny_q4(tmp_path_factory) -> LoadedModel:
+    path = tmp_path_factory.mktemp("tuning") / "tiny-q4_1.gguf"
+    tiny_gguf_file(path, ggml_type="Q4_1", tie_word_embeddings=True)
+    return load_model(path)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOKENFACTORY_PROFILE_CACHE", str(tmp_path / "profiles"))
+    return tmp_path / "profiles"
+
+
+def engine(loaded: LoadedModel, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(kv_cache_memory=4 << 20, max_model_len=128, **kw), loaded)
+
+
+def quantized(e: LLMEngine) -> list[QuantizedLinear]:
+    return [m for m in e.runner.model.modules() if isinstance(m, QuantizedLinear)]
+
+
+def test_choices_from_timings() -> None:
+    rows = [1, 2, 4, 8, 12]
+    assert tuning.choose_crossover(rows, [10, 12, 14, 30, 40], [20, 20, 20, 20, 20]) == 4
+    assert tuning.choose_crossover(rows, [30, 12, 14, 30, 40], [20, 20, 20, 20, 20]) == 0  # dense from one row
+    assert tuning.choose_crossover(rows, [10, 30, 14, 1, 1], [20, 20, 20, 20, 20]) == 1  # first loss ends it
+    assert tuning.choose_crossover(rows, [1, 1, 1, 1, 1], [2, 2, 2, 2, 2]) == 12
+    # One thread is chosen only where it is 10% faster, at every size up to the one chosen.
+    assert tuning.choose_single_thread([1, 2, 4, 8], [5, 6, 9, 20], [6, 7, 9, 12]) == 2
+    assert tuning.choose_single_thread([1, 2, 4, 8], [5, 5, 5, 5], [5.2, 5.2, 5.2, 5.2]) == 0  # a tie: all threads
+    assert tuning.choose_single_thread([1, 2, 4, 8], [12.8, 13.6, 20, 33], [6.3, 7.8, 12, 20]) == 0
+
+
+def test_measured_at_the_first_start_cached_and_applied(tiny_q4, cache) -> None:
+    first = engine(tiny_q4)
+    profile = first.runner.machine_profile
+    assert profile is not None and profile.source == "measured"
+    files = list(cache.glob("*.json"))
+    assert len(files) == 1
+    # Every quantized group was timed, and every layer took its group's measured crossover.
+    groups = tuning.layer_groups(first.runner.model)
+    assert sorted(c.group for c in profile.crossovers) == sorted(groups)
+    measured = {c.group: c.max_packed_rows for c in profile.crossovers}
+    for name, mods in groups.items():
+        assert {m.max_packed_rows for m in mods} == {measured[name]}
+    for c in profile.crossovers:
+        assert len(c.rows) == len(c.packed_us) == len(c.dense_us) and all(v > 0 for v in c.packed_us + c.dense_us)
+        assert c.max_packed_rows == tuning.choose_crossover(c.rows, c.packed_us, c.dense_us)
+        assert c.default_rows in {k.max_rows["copy"] for k in KERNELS}
+    # The summary says what the server and the benchmarks report, with the layers' descriptions following it.
+    assert first.info.machine_profile == profile.summary()
+    assert first.info.machine_profile["max_packed_rows"] == measured
+    for path, text in first.quant_summary.path_to_format.items():
+        assert f"<= {first.runner.model.get_submodule(path).max_packed_rows} rows" in text
+    # The thread policy (2 threads here, so it was measured) is what the runner uses when the config leaves it.
+    if profile.threads is not None:
+        assert first.runner.single_thread_step_tokens == profile.threads.single_thread_step_tokens
+        assert len(profile.threads.one_thread_ms) == len(tuning.THREAD_ROWS)
+
+    second = engine(tiny_q4)
+    again = second.runner.machine_profile
+    assert again is not None and again.source == "cached" and again.path == str(files[0])
+    assert again.crossovers == profile.crossovers
+    assert {m.max_packed_rows for m in quantized(second)} == {m.max_packed_rows for m in quantized(first)}
+
+
+def test_an_explicit_thread_setting_wins(tiny_q4, cache) -> None:
+    assert engine(tiny_q4, single_thread_step_tokens=3).runner.single_thread_step_tokens == 3
+    assert engine(tiny_q4, single_thread_step_tokens=0).runner.single_thread_step_tokens == 0
+
+
+def test_remeasure_and_off(tiny_q4, cache) -> None:
+    engine(tiny_q4)
+    (path,) = cache.glob("*.json")
+    stamp = json.loads(path.read_text())["measured_at"]
+    redone = engine(tiny_q4, machine_profile="remeasure").runner.machine_profile
+    assert redone is not None and redone.source == "measured" and path.exists()
+    assert json.loads(path.read_text())["measure_s"] == redone.measure_s
+    assert json.loads(path.read_text())["measured_at"] >= stamp
+    off = engine(tiny_q4, machine_profile="off")
+    assert off.runner.machine_profile is None and off.info.machine_profile is None
+    defaults = {k.name: k.max_rows["copy"] for k in KERNELS}
+    assert all(m.max_packed_rows == defaults[m.kernel_name] for m in quantized(off))
+    assert off.runner.single_thread_step_tokens == 0
+    with pytest.raises(ParameterError, match="machine_profile"):
+        engine(tiny_q4, machine_profile="sometimes")
+
+
+def test_a_profile_for_another_machine_or_a_broken_file_is_measured_again(tiny_q4, cache, caplog) -> None:
+    engine(tiny_q4)
+    (path,) = cache.glob("*.json")
+    data = json.loads(path.read_text())
+    data["key"]["cpu"] = "some other CPU"
+    path.write_text(json.dumps(data))
+    with caplog.at_level(logging.WARNING, logger="tokenfactory.engine.tuning"):
+        p = engine(tiny_q4).runner.machine_profile
+    assert p is not None and p.source == "measured" and "another machine" in caplog.text
+    assert json.loads(path.read_text())["key"]["cpu"] == tuning.cpu_identity()[0]
+    for broken in ("{not json", json.dumps({**data, "version": 99}),
+                   json.dumps({**json.loads(path.read_text()), "crossovers": [
+                       {**json.loads(path.read_text())["crossovers"][0], "max_packed_rows": 10**6}]})):
+        path.write_text(broken)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="tokenfactory.engine.tuning"):
+            p = engine(tiny_q4).runner.machine_profile
+        assert p is not None and p.source == "measured" and "unreadable" in caplog.text
+
+
+def test_an_unwritable_cache_still_serves(tiny_q4, tmp_path, monkeypatch, caplog) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("TOKENFACTORY_PROFILE_CACHE", str(blocker / "profiles"))  # under a file: mkdir fails
+    with caplog.at_level(logging.WARNING, logger="tokenfactory.engine.tuning"):
+        e = engine(tiny_q4)
+    assert e.runner.machine_profile is not None and "not cached" in caplog.text
+    rid = e.add_request([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(e.run_to_completion([rid])[rid].outputs[0].token_ids) == 3
+
+
+def test_describe_names_the_cpu_and_each_choice(tiny_q4, cache) -> None:
+    profile = engine(tiny_q4).runner.machine_profile
+    text = "\n".join(profile.describe())
+    cpu, flags = tuning.cpu_identity()
+    assert cpu in text and all(f in text for f in flags)
+    for c in profile.crossovers:
+        assert f"{c.group} x{c.num_layers}: packed for <= {c.max_packed_rows} rows (constant {c.default_rows})" in text
+
+
+def test_doctor_machine_prints_and_remeasures(tiny_q4, cache, capsys) -> None:
+    from tokenfactory.cli import main
+
+    assert main(["doctor", "--machine", str(tiny_q4.path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("machine profile (measured") and tuning.cpu_identity()[0] in out
+    assert main(["doctor", "--machine", str(tiny_q4.path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["source"] == "cached" and data["version"] == tuning.PROFILE_VERSION
+    assert main(["doctor", "--machine", str(tiny_q4.path), "--remeasure", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["source"] == "measured"
+
+
+@pytest.mark.slow
+def test_doctor_machine_on_the_bundled_model(tmp_path) -> None:
+    """As a user runs it: a fresh cache, the bundled model, every int4 group and the thread policy measured."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TOKENFACTORY_PROFILE_CACHE": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-m", "tokenfactory.cli", "doctor", "--machine", "--json"], env=env,
+                         capture_output=True, text=True, timeout=300, check=True)
+    data = json.loads(run.stdout)
+    groups = [c["group"] for c in data["crossovers"]]
+    assert any(g.startswith("int4-g32 via cpu-int4pack, 3072x576") for g in groups)  # the MLP's fused gate/up
+    assert data["threads"] is None or data["threads"]["max_threads"] == (os.cpu_count() or 1)
+    assert list(tmp_path.glob("*.json")) and data["measure_s"] > 0

@@ -1,0 +1,345 @@
+"""The machine profile: the engine's speed choices measured on this machine, for this model's shapes.
+
+Two choices decide a CPU's small-step speed, and both moved between the CPUs we measured (issue 21): at how
+many rows a quantized layer leaves its packed kernel for the dense matmul (int8 packed won up to 10 rows on a
+Zen 4 and up to 4 on a Sapphire Rapids), and whether steps of a few tokens run faster on one thread. Constants
+chosen on one CPU were wrong on the other, so the engine measures them at its first start:
+
+    crossovers   per group of quantized layers sharing (format, kernel, shape, dense path): the packed and
+                 the dense path timed at 1, 2, 4, ... 64 rows over up to 30 distinct layers of the group (so
+                 the weights stream from memory as in a real step); the layer takes the packed kernel up to
+                 the largest row count before the dense path first wins
+    threads      the model's whole stack of linear layers (each on the path just chosen) at 1, 2, 4, 8 rows,
+                 on one thread and on all, while a second Python thread does what a streaming gateway does
+                 (a little work every millisecond); steps that are 10% faster on one thread take one
+
+`load_or_measure` keys the profile by the CPU's name and flags, torch's version, the thread count and the
+model's layer shapes, and caches it as JSON (`~/.cache/tokenfactory/profiles`, or
+`$TOKENFACTORY_PROFILE_CACHE`), so only the first start pays (about 5 s for the bundled model on 2 cores).
+`tokenfactory doctor --machine` prints it; `serve --machine-profile remeasure` and `doctor --machine
+--remeasure` measure again; `off` keeps the constants (layers/quant.py KERNELS, one thread policy for all).
+Measure on a quiet machine: the profile is what the engine then believes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenfactory.layers.quant import QuantizedLinear
+from tokenfactory.types import ParameterError
+
+logger = logging.getLogger(__name__)
+
+PROFILE_VERSION = 1
+MODES = ("auto", "remeasure", "off")
+ROWS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+THREAD_ROWS = (1, 2, 4, 8)
+MAX_LAYERS_PER_GROUP = 30
+ONE_THREAD_GAIN = 1.10  # one thread must be this much faster to be chosen: a tie keeps all threads
+RELEVANT_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_bf16", "amx_int8", "amx_tile",
+                  "avx_vnni", "fma", "f16c", "asimd", "sve", "sve2", "bf16", "i8mm")
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ParameterError("machine_profile", f"machine_profile must be one of {', '.join(MODES)}, got {mode!r}")
+    return mode
+
+
+@dataclass(frozen=True)
+class Crossover:
+    """One group of quantized layers: where its packed kernel stops winning."""
+
+    group: str  # "int4-g32 via cpu-int4pack, 576x1536, copy"
+    num_layers: int
+    default_rows: int  # the constant it replaces (layers/quant.py KERNELS)
+    max_packed_rows: int  # measured
+    rows: list[int]
+    packed_us: list[float]  # per layer, best of the repeats, at `rows`
+    dense_us: list[float]
+
+
+@dataclass(frozen=True)
+class ThreadPolicy:
+    max_threads: int
+    single_thread_step_tokens: int  # steps of at most this many tokens run on one thread (0: never)
+    rows: list[int]
+    one_thread_ms: list[float]  # the model's linear stack, per step
+    all_threads_ms: list[float]
+
+
+@dataclass(frozen=True)
+class MachineProfile:
+    key: dict[str, Any]
+    measured_at: str
+    measure_s: float
+    crossovers: list[Crossover]
+    threads: ThreadPolicy | None
+    source: str = "measured"  # "measured" now, or "cached" (read from `path`)
+    path: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": PROFILE_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], path: Path) -> MachineProfile:
+        if data.get("version") != PROFILE_VERSION:
+            raise ValueError(f"profile version {data.get('version')!r}, expected {PROFILE_VERSION}")
+        crossovers = [Crossover(**c) for c in data["crossovers"]]
+        if any(not 0 <= c.max_packed_rows <= max(ROWS) for c in crossovers):
+            raise ValueError("a crossover is out of range")
+        threads = ThreadPolicy(**data["threads"]) if data.get("threads") else None
+        return cls(data["key"], data["measured_at"], float(data["measure_s"]), crossovers, threads, "cached",
+                   str(path))
+
+    def summary(self) -> dict[str, Any]:
+        """The choices, without the timings (for /machine-profile, the benchmark JSON, the engine's info)."""
+        return {"source": self.source, "measured_at": self.measured_at, "path": self.path,
+                "cpu": self.key.get("cpu"), "flags": self.key.get("flags"), "torch": self.key.get("torch"),
+                "threads": self.key.get("threads"),
+                "max_packed_rows": {c.group: c.max_packed_rows for c in self.crossovers},
+                "single_thread_step_tokens": self.threads.single_thread_step_tokens if self.threads else None}
+
+    def describe(self) -> list[str]:
+        """Lines for `tokenfactory doctor --machine`."""
+        k = self.key
+        lines = [f"machine profile ({self.source} {self.measured_at}, {self.measure_s:.1f} s to measure"
+                 + (f"; {self.path}" if self.path else "") + ")",
+                 f"  cpu      {k.get('cpu')}  [{' '.join(k.get('flags', []))}]",
+                 f"  torch    {k.get('torch')}, {k.get('threads')} threads"]
+        for c in self.crossovers:
+            pairs = "  ".join(f"{r}:{p:.0f}/{d:.0f}" for r, p, d in zip(c.rows, c.packed_us, c.dense_us, strict=True))
+            lines.append(f"  {c.group} x{c.num_layers}: packed for <= {c.max_packed_rows} rows "
+                         f"(constant {c.default_rows}); us per layer packed/dense at rows {pairs}")
+        if self.threads:
+            t = self.threads
+            pairs = "  ".join(f"{r}:{a:.2f}/{b:.2f}" for r, a, b in zip(t.rows, t.one_thread_ms, t.all_threads_ms,
+                                                                       strict=True))
+            lines.append(f"  threads  steps of <= {t.single_thread_step_tokens} tokens on one thread "
+                         f"(0: all {t.max_threads} always); linear stack ms 1/{t.max_threads} threads at rows {pairs}")
+        return lines
+
+
+# ---------------------------------------------------------------------------------------------------
+# Identity and cache
+
+
+def cpu_identity() -> tuple[str, list[str]]:
+    """The CPU's model name and the instruction-set flags that change which kernel is fastest."""
+    name, flags = platform.processor() or platform.machine(), set[str]()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and ":" in line:
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith(("flags", "Features")) and ":" in line:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return name, sorted(f for f in RELEVANT_FLAGS if f in flags)
+
+
+def layer_groups(model: nn.Module) -> dict[str, list[QuantizedLinear]]:
+    """Quantized layers with a packed kernel, grouped by what decides their speed."""
+    groups: dict[str, list[QuantizedLinear]] = {}
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear) and module.packed is not None:
+            dense = "copy" if hasattr(module.dense, "dense") else "on-the-fly"
+            name = (f"{module.format_name} via {module.kernel_name}, {module.out_features}x{module.in_features}, "
+                    f"{dense}")
+            groups.setdefault(name, []).append(module)
+    return groups
+
+
+def profile_key(model: nn.Module, device: torch.device) -> dict[str, Any]:
+    cpu, flags = cpu_identity()
+    shapes = sorted((name, len(mods)) for name, mods in layer_groups(model).items())
+    linears = sorted({(m.out_features, m.in_features) for m in model.modules() if isinstance(m, nn.Linear)})
+    return {"cpu": cpu, "flags": flags, "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "device": device.type, "groups": shapes, "dense_linears": linears}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TOKENFACTORY_PROFILE_CACHE") or Path.home() / ".cache" / "tokenfactory" / "profiles")
+
+
+def profile_path(key: dict[str, Any]) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_root() / f"{digest}.json"
+
+
+def load_or_measure(model: nn.Module, device: torch.device, mode: str = "auto") -> MachineProfile | None:
+    """The profile for this machine and model: cached, or measured now (and cached); None for "off" or a
+    device other than the CPU (CUDA keeps the constants: its kernels were not measured here)."""
+    if check_mode(mode) == "off" or device.type != "cpu":
+        return None
+    key = profile_key(model, device)
+    path = profile_path(key)
+    if mode == "auto" and path.is_file():
+        try:
+            profile = MachineProfile.from_json(json.loads(path.read_text()), path)
+            if profile.key == json.loads(json.dumps(key)):
+                return profile
+            logger.warning("machine profile %s is for another machine or model; measuring again", path)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            logger.warning("machine profile %s is unreadable (%s); measuring again", path, e)
+    profile = measure(model, key)
+    _save(profile, path)
+    return profile
+
+
+def _save(profile: MachineProfile, path: Path) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(profile.to_json(), indent=1))
+        tmp.replace(path)
+    except OSError as e:
+        logger.warning("machine profile not cached (%s): the next start measures again", e)
+
+
+def apply(model: nn.Module, profile: MachineProfile) -> None:
+    """Set each quantized layer's crossover from the profile."""
+    measured = {c.group: c.max_packed_rows for c in profile.crossovers}
+    for name, mods in layer_groups(model).items():
+        if name in measured:
+            for m in mods:
+                m.max_packed_rows = measured[name]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Measuring
+
+
+def measure(model: nn.Module, key: dict[str, Any]) -> MachineProfile:
+    start = time.perf_counter()
+    with torch.inference_mode():
+        crossovers = [measure_crossover(name, mods) for name, mods in layer_groups(model).items()]
+        profile = MachineProfile(key, "", 0.0, crossovers, None)
+        apply(model, profile)
+        threads = measure_threads(model) if torch.get_num_threads() > 1 else None
+    elapsed = time.perf_counter() - start
+    stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    logger.info("machine profile measured in %.1f s", elapsed)
+    return MachineProfile(key, stamp, round(elapsed, 2), crossovers, threads)
+
+
+def _best_us(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm: first-call allocations, the packed kernel's own set-up
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best * 1e6
+
+
+def measure_crossover(name: str, mods: list[QuantizedLinear], repeats: int = 5) -> Crossover:
+    """Packed against dense for one group, up the rows until the dense path wins twice running."""
+    layers = mods[:MAX_LAYERS_PER_GROUP]
+    dtype = layers[0]._dense_fn().dtype  # the model's dtype: what the dense path multiplies in
+    rows, packed_us, dense_us = [], [], []
+    losses = 0
+    for t in ROWS:
+        xs = [torch.randn(t, m.in_features, dtype=torch.bfloat16) for m in layers]
+        packed_calls = [(m._packed_fn, x) for m, x in zip(layers, xs, strict=True)]
+        dense_calls = [(m._dense_fn, x.to(dtype)) for m, x in zip(layers, xs, strict=True)]
+        packed = _best_us(lambda c=packed_calls: [fn(x) for fn, x in c], repeats) / len(layers)  # type: ignore[misc]
+        dense = _best_us(lambda c=dense_calls: [F.linear(x, fn()) for fn, x in c], repeats) / len(layers)
+        rows.append(t)
+        packed_us.append(round(packed, 1))
+        dense_us.append(round(dense, 1))
+        losses = losses + 1 if dense <= packed else 0
+        if losses == 2:
+            break
+    return Crossover(name, len(mods), mods[0].max_packed_rows, choose_crossover(rows, packed_us, dense_us), rows,
+                     packed_us, dense_us)
+
+
+def choose_crossover(rows: list[int], packed_us: list[float], dense_us: list[float]) -> int:
+    """The largest row count before the dense path first wins (0: it wins from one row)."""
+    best = 0
+    for t, p, d in zip(rows, packed_us, dense_us, strict=True):
+        if p >= d:
+            break
+        best = t
+    return best
+
+
+def choose_single_thread(rows: list[int], one_thread: list[float], all_threads: list[float]) -> int:
+    """The largest step size up to which one thread is at least ONE_THREAD_GAIN faster at every size (0: none)."""
+    chosen = 0
+    for t, a, b in zip(rows, one_thread, all_threads, strict=True):
+        if a * ONE_THREAD_GAIN > b:
+            break
+        chosen = t
+    return chosen
+
+
+@contextmanager
+def gateway_like_load() -> Iterator[None]:
+    """A second Python thread doing a little work every millisecond, as a streaming server's event loop does
+    while one sequence decodes (detokenize, an SSE write): what makes OpenMP's spinning threads stall."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        payload = {"choices": [{"delta": {"content": "token"}, "index": 0}], "usage": None}
+        while not stop.is_set():
+            deadline = time.perf_counter() + 1e-4
+            while time.perf_counter() < deadline:
+                json.dumps(payload)
+            stop.wait(1e-3)
+
+    thread = threading.Thread(target=loop, name="profile-load", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _linear_stack(model: nn.Module, t: int) -> Callable[[], object]:
+    """Every linear layer of the model once, at t rows, each on the path it takes at t rows."""
+    calls: list[Callable[[], object]] = []
+    for m in model.modules():
+        if isinstance(m, QuantizedLinear):
+            x = torch.randn(t, m.in_features, dtype=m._dense_fn().dtype)
+            calls.append(lambda m=m, x=x: m(x))
+        elif isinstance(m, nn.Linear) and m.weight.device.type != "meta":
+            x = torch.randn(t, m.in_features, dtype=m.weight.dtype)
+            calls.append(lambda m=m, x=x: F.linear(x, m.weight))
+    return lambda: [c() for c in calls]
+
+
+def measure_threads(model: nn.Module, repeats: int = 7) -> ThreadPolicy:
+    """Small steps on one thread against all, with a gateway-like neighbour; the caller's thread count is kept."""
+    max_threads = torch.get_num_threads()
+    one, many = [], []
+    try:
+        with gateway_like_load():
+            for t in THREAD_ROWS:
+                stack = _linear_stack(model, t)
+                torch.set_num_threads(1)
+                one.append(round(_best_us(stack, repeats) / 1e3, 3))
+                torch.set_num_threads(max_threads)
+                many.append(round(_best_us(stack, repeats) / 1e3, 3))
+    finally:
+        torch.set_num_threads(max_threads)
+    return ThreadPolicy(max_threads, choose_single_thread(list(THREAD_ROWS), one, many), list(THREAD_ROWS), one, many)
+
