@@ -12,6 +12,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sweep": ("tokenfactory.bench.sweep", "the same workload at several concurrencies"),
     "compare": ("tokenfactory.bench.compare", "one workload against several servers, one table"),
     "report": ("tokenfactory.bench.report", "charts and an HTML page from saved results"),
+    "machine": ("tokenfactory.bench.machine", "this CPU's profile, offline and served figures, other engines beside"),
+    "publish": ("tokenfactory.bench.publish", "write the README's and docs/benchmarks.md's figures from JSON"),
 }
 
 

@@ -1,0 +1,140 @@
+"""`tokenfactory bench machine` (the figures that travel, one JSON) and `bench publish` (the README's and
+docs/benchmarks.md's figures written from kept JSON, checked in sync with it)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tokenfactory.bench import publish
+from tokenfactory.bench.machine import SCHEMA, goals, parse_levels
+from tokenfactory.types import ParameterError
+
+
+def level(clients: int, tput: float, tpot: float = 9.0) -> dict:
+    return {"clients": clients, "requests": 3 * clients, "status": "complete", "output_throughput": tput,
+            "median_ttft_ms": 50.0 * clients, "p99_ttft_ms": 60.0 * clients, "median_tpot_ms": tpot,
+            "p99_tpot_ms": tpot + 1, "joules_per_output_token": 0.05 / clients, "energy_source": "modelled",
+            "server_rss_peak_bytes": 2.5 * 2**30, "completed": 3 * clients, "failed": 0}
+
+
+def machine_result(cpu: str = "Test CPU 9000", time: str = "2026-12-01T15:00:00+0000") -> dict:
+    offline = {"command": "tokenfactory bench offline --skip-hf --num-requests 128", "num_requests": 128,
+               "throughput_tok_s": 420.0, "single_stream_decode_tok_s": 112.0, "quantization": "auto",
+               "dtype": "bfloat16"}
+    served = {"tokenfactory": {"command": "python -m tokenfactory.cli serve", "levels": [level(1, 110.0, 9.0),
+                                                                                          level(8, 290.0, 26.0)]},
+              "llama-server": {"command": "llama-server -m x.gguf", "levels": [level(1, 50.0, 15.0),
+                                                                                 level(8, 86.0, 60.0)]}}
+    profile = {"crossovers": [{"group": "int4-g32 via cpu-int4pack, 576x1536, copy", "max_packed_rows": 4}],
+               "threads": {"single_thread_step_tokens": 0}}
+    return {"schema": SCHEMA, "time": time, "machine": {"cpu": cpu, "flags": ["avx512f", "amx_bf16"], "num_cpus": 2,
+                                                         "torch": "2.13.0+cpu", "python": "3.11.7",
+                                                         "tokenfactory_version": "0.1.0"},
+            "profile": profile, "offline": offline, "served": served, "skipped": ["vllm is not on PATH"],
+            "goals": goals(offline, served)}
+
+
+def test_levels_and_goals() -> None:
+    assert parse_levels("1:8,8:32, 32") == [(1, 8), (8, 32), (32, 96)]
+    for bad in ("x", "0:4", "1:0", "1:2:3"):
+        with pytest.raises(ParameterError, match="levels"):
+            parse_levels(bad)
+    g = machine_result()["goals"]
+    single = g["served_single_stream"]
+    assert single["served_decode_tok_s"] == pytest.approx(1000 / 9.0, abs=0.05)
+    assert single["ratio"] == pytest.approx(1000 / 9.0 / 112.0, abs=1e-3) and single["met"]
+    assert g["lead_over_llama-server"] == {"ratio_by_clients": {"1": 2.2, "8": 3.37}, "met": True}
+    slow = goals({"single_stream_decode_tok_s": 112.0}, {"tokenfactory": {"levels": [level(1, 80.0, 12.5)]},
+                                                         "other": {"levels": [level(1, 90.0)]}})
+    assert not slow["served_single_stream"]["met"] and not slow["lead_over_other"]["met"]
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text("# x\n\n## Measured\n\n<!-- bench:measured -->\nold\n<!-- /bench:measured -->\n"
+                                        "\nprose stays\n")
+    (tmp_path / "docs" / "benchmarks.md").write_text("intro\n<!-- bench:machines -->\n<!-- /bench:machines -->\nend\n")
+    return tmp_path
+
+
+def run_publish(root: Path, *files: Path, check: bool = False) -> int:
+    return publish.main(argparse.Namespace(files=[str(f) for f in files], check=check, root=str(root)))
+
+
+def test_publish_keeps_the_json_and_writes_the_blocks(repo, tmp_path) -> None:
+    result = tmp_path / "bench-machine.json"
+    result.write_text(json.dumps(machine_result()))
+    fleet = tmp_path / "bench-fleet.json"
+    fleet.write_text(json.dumps({"replica_overhead": {"added_ttft_p50_ms": 1.48},
+                                 "routing_overhead": {"added_ttft_p50_ms": 4.57},
+                                 "prefix": {"by_router": {"least-work": {"prefix_hit_rate": 0.8194},
+                                                          "prefix": {"prefix_hit_rate": 0.9014}}}}))
+    assert run_publish(repo, check=True) == 1  # the placeholder is not what the (empty) results say
+    assert run_publish(repo, result, fleet) == 0
+    kept = sorted(p.name for p in (repo / "docs" / "results").iterdir())
+    assert kept == ["fleet.json", "machine-test-cpu-9000.json"]
+    readme = (repo / "README.md").read_text()
+    flat = " ".join(readme.split())  # the writer wraps its paragraphs
+    assert "On a 2-vCPU Test CPU 9000 (2026-12-01), with the bundled model: offline 420.0 output tok/s" in flat
+    assert "110.0 / 290.0 output tok/s served to 1 / 8 streaming clients (TTFT p50 50 / 400 ms)" in flat
+    assert "llama-server on the same machine: 50.0 / 86.0" in flat
+    assert "adds 1.48 ms to TTFT p50 and an external backend 4.57 ms" in flat and "81.9% to 90.1%" in flat
+    assert readme.endswith("<!-- /bench:measured -->\n\nprose stays\n") and "old" not in readme
+    docs = (repo / "docs" / "benchmarks.md").read_text()
+    assert "### 2-vCPU Test CPU 9000" in docs and "`avx512f amx_bf16`" in docs
+    assert "| 1 | 3 | tokenfactory | **110.0** | 50 / 60 ms | 9.0 ms | 0.050 (modelled) | 2.50 GiB |" in docs
+    assert "| 8 | 24 | llama-server | 86.0 |" in docs
+    assert "lead over llama-server: 1 clients 2.2x, 8 clients 3.37x (met)" in docs
+    assert "576x1536 <= 4" in docs and "not run: vllm is not on PATH" in docs
+    assert run_publish(repo, check=True) == 0
+    # A hand edit inside a block is found; a newer run of the same CPU replaces the kept file.
+    (repo / "README.md").write_text(readme.replace("420.0", "999.0"))
+    assert run_publish(repo, check=True) == 1
+    newer = machine_result(time="2026-12-02T10:00:00+0000")
+    newer["offline"]["throughput_tok_s"] = 430.0
+    result.write_text(json.dumps(newer))
+    assert run_publish(repo, result) == 0
+    assert "offline 430.0 output tok/s" in " ".join((repo / "README.md").read_text().split())
+    assert len(list((repo / "docs" / "results").glob("machine-*.json"))) == 1
+
+
+def test_publish_refuses_what_it_cannot_place(repo, tmp_path) -> None:
+    junk = tmp_path / "junk.json"
+    junk.write_text(json.dumps({"hello": 1}))
+    with pytest.raises(ParameterError, match="not a `bench machine`"):
+        run_publish(repo, junk)
+    (repo / "README.md").write_text("no markers\n")
+    with pytest.raises(ParameterError, match="bench:measured"):
+        run_publish(repo)
+
+
+def test_the_repository_figures_are_what_its_json_says() -> None:
+    """README.md and docs/benchmarks.md: one source of truth, docs/results/*.json."""
+    assert run_publish(publish.ROOT, check=True) == 0, "run `tokenfactory bench publish` and commit"
+
+
+@pytest.mark.slow
+def test_bench_machine_on_the_bundled_model(tmp_path) -> None:
+    """The benchmark as a user runs it, shrunk: profile, offline, our server at two levels, goals, one JSON."""
+    out = tmp_path / "machine.json"
+    subprocess.run([sys.executable, "-m", "tokenfactory.cli", "bench", "machine", "--engines", "tokenfactory",
+                    "--levels", "1:2,2:4", "--output-len", "16", "--offline-requests", "8", "--results-dir",
+                    str(tmp_path), "--out", str(out)], check=False, timeout=900, capture_output=True)
+    data = json.loads(out.read_text())
+    assert data["schema"] == SCHEMA and data["machine"]["num_cpus"] >= 1
+    assert data["profile"]["crossovers"] and data["profile"]["key"]["cpu"] == data["machine"]["cpu"]
+    assert data["offline"]["throughput_tok_s"] > 0 and data["offline"]["single_stream_decode_tok_s"] > 0
+    ours = data["served"]["tokenfactory"]
+    assert [(r["clients"], r["requests"], r["status"]) for r in ours["levels"]] == [(1, 2, "complete"),
+                                                                                    (2, 4, "complete")]
+    assert all(r["output_throughput"] > 0 and r["median_tpot_ms"] > 0 for r in ours["levels"])
+    assert ours["machine_profile"]["max_packed_rows"]  # the server reported the profile it ran with
+    single = data["goals"]["served_single_stream"]
+    assert single["offline_decode_tok_s"] == data["offline"]["single_stream_decode_tok_s"]

@@ -1,0 +1,206 @@
+"""`tokenfactory bench machine`: the figures that must hold on whatever CPU a user gets, in one JSON.
+
+    tokenfactory bench machine                                  results/bench-machine.json
+    tokenfactory bench machine --engines tokenfactory,llama-server --levels 1:8,8:32,32:96
+
+In order, each in its own process so none inherits another's threads or memory:
+  1. the machine profile (`tokenfactory doctor --machine --json`: measured now, or this machine's cached one),
+  2. the engine offline (`tokenfactory bench offline --skip-hf`): throughput over 128 mixed requests, and
+     single-stream decode (128-token prompt, 128 tokens),
+  3. each engine served (`bench compare`'s launchers: ours, then llama-server and `vllm` where they are on
+     PATH, on the same GGUF file and thread count): ~130-token prompts, 128 output tokens, ignore_eos,
+     streaming, closed loop at each level's clients and requests.
+Then the goals, as data: served single stream within 10% of offline (decode rate, 1 / TPOT p50), and our
+output tok/s against every other engine at every level. `tokenfactory bench publish` turns the file into
+the README's and docs/benchmarks.md's tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from tokenfactory.types import ParameterError
+
+SCHEMA = "tokenfactory.bench.machine/1"
+DEFAULT_LEVELS = "1:8,8:32,32:96"
+SINGLE_STREAM_TOLERANCE = 0.10
+FIGURES = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
+           "joules_per_output_token", "energy_source", "server_rss_peak_bytes", "completed", "failed")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engines", default="tokenfactory,llama-server,vllm",
+                   help="engines to serve, of tokenfactory, llama-server, vllm (those not on PATH are skipped)")
+    p.add_argument("--levels", default=DEFAULT_LEVELS, help="CLIENTS:REQUESTS per level (default %(default)s)")
+    p.add_argument("--model-path", default=None, help="GGUF file every engine loads (default: the bundled model)")
+    p.add_argument("--engine-threads", type=int, default=None,
+                   help="CPU threads for every engine (default: one per core, as each engine's own default)")
+    p.add_argument("--input-len", type=int, default=130)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--offline-requests", type=int, default=128, help="requests in the offline throughput run")
+    p.add_argument("--skip-offline", action="store_true", help="served figures only")
+    p.add_argument("--results-dir", default="results", help="logs and the per-run JSON go here")
+    p.add_argument("--out", default="results/bench-machine.json")
+
+
+def parse_levels(text: str) -> list[tuple[int, int]]:
+    levels = []
+    for item in text.split(","):
+        clients, sep, requests = item.strip().partition(":")
+        try:
+            level = (int(clients), int(requests) if sep else 3 * int(clients))
+        except ValueError:
+            raise ParameterError("levels", f"--levels must look like 1:8,8:32, got {text!r}") from None
+        if min(level) < 1:
+            raise ParameterError("levels", f"--levels: clients and requests must be >= 1, got {item!r}")
+        levels.append(level)
+    return levels
+
+
+def machine_facts() -> dict[str, Any]:
+    import torch
+
+    from tokenfactory import __version__
+    from tokenfactory.engine.tuning import cpu_identity
+
+    cpu, flags = cpu_identity()
+    return {"cpu": cpu, "flags": flags, "num_cpus": os.cpu_count(), "torch": torch.__version__,
+            "python": platform.python_version(), "platform": platform.platform(),
+            "tokenfactory_version": __version__}
+
+
+def _tokenfactory_cli(*argv: str) -> list[str]:
+    return [sys.executable, "-m", "tokenfactory.cli", *argv]
+
+
+def _run_json(command: list[str], out: Path | None = None) -> dict[str, Any]:
+    """Run a command of ours; its JSON from `out`, else from its standard output."""
+    print(f"$ {shlex.join(command)}", file=sys.stderr)
+    done = subprocess.run(command, capture_output=out is None, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{shlex.join(command)} failed ({done.returncode}): {(done.stderr or '')[-800:]}")
+    return json.loads(out.read_text() if out is not None else done.stdout)
+
+
+def measure_offline(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    out = workdir / "offline.json"
+    model = ["--model", args.model_path] if args.model_path else []
+    command = _tokenfactory_cli("bench", "offline", "--skip-hf", "--num-requests", str(args.offline_requests), *model,
+                                "--out", str(out))
+    data = _run_json(command, out)["tokenfactory"]
+    return {"command": shlex.join(["tokenfactory", *command[3:-2]]), "num_requests": args.offline_requests,
+            "throughput_tok_s": round(data["throughput"]["output_tokens_per_s"], 1),
+            "single_stream_decode_tok_s": round(data["single_stream"]["decode_tokens_per_s"], 1),
+            "quantization": data["quantization"], "dtype": data["dtype"]}
+
+
+def serve_args(args: argparse.Namespace) -> argparse.Namespace:
+    """`bench compare`'s options for this run (its launchers and its per-level runner)."""
+    from tokenfactory.bench import compare
+
+    parser = argparse.ArgumentParser()
+    compare.add_arguments(parser)
+    threads = ["--engine-threads", str(args.engine_threads)] if args.engine_threads else []
+    model = ["--model-path", args.model_path] if args.model_path else []
+    return parser.parse_args(["--input-len", str(args.input_len), "--output-len", str(args.output_len),
+                              "--ignore-eos", "--warmup", "2", "--no-progress", "--results-dir", args.results_dir,
+                              "--save", "machine", *threads, *model])
+
+
+def measure_served(args: argparse.Namespace, name: str, levels: list[tuple[int, int]]) -> dict[str, Any] | None:
+    """One engine at every level, started once; None when it is not installed."""
+    from tokenfactory.bench import compare
+    from tokenfactory.bench.datasets import load_tokenizer
+    from tokenfactory.models.loader import bundled_model_path
+
+    sargs = serve_args(args)
+    model_path = Path(args.model_path).expanduser() if args.model_path else bundled_model_path()
+    options = compare.LaunchOptions(model_path, sargs.max_model_len, max(c for c, _ in levels), {},
+                                    Path(args.results_dir).expanduser() / "logs" / "machine-ledger",
+                                    args.engine_threads)
+    port = compare.free_port()
+    command = compare.LAUNCHERS[name].command(options, port)
+    if command is None:
+        return None
+    log = Path(args.results_dir).expanduser() / "logs" / f"machine-{name}.log"
+    print(f"$ {shlex.join(command)}", file=sys.stderr)
+    server = compare.ServerProcess(name, command, log, options.environment())
+    url = f"http://127.0.0.1:{port}"
+    try:
+        problem = server.wait_ready(url, sargs.startup_timeout)
+        if problem is not None:
+            return {"command": shlex.join(command), "error": problem, "levels": []}
+        tokenizer = load_tokenizer(model_path)
+        rows, profile = [], None
+        for clients, requests in levels:
+            sargs.num_prompts = requests
+            (run,) = compare.run_levels_for(sargs, url, name, tokenizer, [(clients, None)], server.pid)
+            profile = profile or run.environment.get("server", {}).get("machine_profile")
+            rows.append({"clients": clients, "requests": requests, "status": run.status,
+                         **{k: run.figures.get(k) for k in FIGURES}})
+        return {"command": shlex.join(command), "levels": rows, "machine_profile": profile}
+    finally:
+        server.stop()
+
+
+def goals(offline: dict[str, Any] | None, served: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Served single stream against offline, and our lead over each other engine at each level."""
+    ours = served.get("tokenfactory", {}).get("levels", [])
+    result: dict[str, Any] = {}
+    one = next((r for r in ours if r["clients"] == 1), None)
+    if offline and one and one.get("median_tpot_ms"):
+        decode = 1000.0 / one["median_tpot_ms"]
+        ratio = decode / offline["single_stream_decode_tok_s"]
+        result["served_single_stream"] = {"served_decode_tok_s": round(decode, 1),
+                                          "offline_decode_tok_s": offline["single_stream_decode_tok_s"],
+                                          "ratio": round(ratio, 3), "met": ratio >= 1 - SINGLE_STREAM_TOLERANCE}
+    for name, other in served.items():
+        if name == "tokenfactory" or not other.get("levels"):
+            continue
+        theirs = {r["clients"]: r.get("output_throughput") for r in other["levels"]}
+        lead = {str(r["clients"]): round(r["output_throughput"] / theirs[r["clients"]], 2) for r in ours
+                if r.get("output_throughput") and theirs.get(r["clients"])}
+        result[f"lead_over_{name}"] = {"ratio_by_clients": lead, "met": bool(lead) and min(lead.values()) > 1.0}
+    return result
+
+
+def main(args: argparse.Namespace) -> int:
+    levels = parse_levels(args.levels)
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = [e for e in engines if e not in ("tokenfactory", "llama-server", "vllm")]
+    if unknown:
+        raise ParameterError("engines", f"--engines: unknown {', '.join(unknown)}")
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    model = [args.model_path] if args.model_path else []
+    profile = _run_json(_tokenfactory_cli("doctor", "--machine", *model, "--json"))
+    with tempfile.TemporaryDirectory(prefix="tokenfactory-machine-") as tmp:
+        offline = None if args.skip_offline else measure_offline(args, Path(tmp))
+    served: dict[str, dict[str, Any]] = {}
+    skipped = []
+    for name in engines:
+        result = measure_served(args, name, levels)
+        if result is None:
+            skipped.append(f"{name} is not on PATH")
+        else:
+            served[name] = result
+    result = {"schema": SCHEMA, "time": started, "machine": machine_facts(), "profile": profile,
+              "offline": offline, "served": served, "skipped": skipped, "goals": goals(offline, served),
+              "workload": {"input_len": args.input_len, "output_len": args.output_len, "levels": levels,
+                           "ignore_eos": True, "streaming": True, "engine_threads": args.engine_threads}}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(json.dumps({"machine": result["machine"]["cpu"], "offline": offline, "goals": result["goals"],
+                      "served": {n: [(r["clients"], r["output_throughput"]) for r in s["levels"]]
+                                 for n, s in served.items()}, "skipped": skipped, "out": str(out)}, indent=1))
+    return 0 if all(g.get("met", True) for g in result["goals"].values()) else 1
