@@ -479,7 +479,11 @@ def test_the_fake_keeps_the_engine_client_contract() -> None:
     engine.start()
     try:
         asyncio.run(run_contract(engine))
-        assert engine.num_aborted == 1
+        # The snapshot the contract waited on is taken after each step, so it can predate the abort: wait for it.
+        deadline = time.monotonic() + 10
+        while engine.num_aborted == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.num_aborted == 1 and engine.aborted_request_ids == ["c-abort"]
     finally:
         engine.shutdown()
 

@@ -173,3 +173,26 @@ def test_doctor_machine_on_the_bundled_model(tmp_path) -> None:
     assert any(g.startswith("int4-g32 via cpu-int4pack, 3072x576") for g in groups)  # the MLP's fused gate/up
     assert data["threads"] is None or data["threads"]["max_threads"] == (os.cpu_count() or 1)
     assert list(tmp_path.glob("*.json")) and data["measure_s"] > 0
+
+
+def test_passes_repeat_until_steady() -> None:
+    passes = iter([[10.0, 20.0], [6.0, 19.0], [5.9, 19.5], [1.0, 1.0]])
+    best, steady = tuning.steady_minimum(lambda: next(passes))
+    assert steady and best == [5.9, 19.0]  # the third pass lowered nothing by more than the tolerance
+    falling = iter([[100.0 / 2**i] for i in range(10)])
+    best, steady = tuning.steady_minimum(lambda: next(falling))
+    assert not steady and best == [100.0 / 2 ** (tuning.MAX_PASSES - 1)]
+
+
+def test_unsteady_timings_serve_this_run_but_are_not_cached(tiny_q4, cache, monkeypatch, caplog) -> None:
+    monkeypatch.setattr(tuning, "STEADY_TOLERANCE", -1.0)  # no pass is ever steady: a machine that never settles
+    with caplog.at_level(logging.WARNING, logger="tokenfactory.engine.tuning"):
+        e = engine(tiny_q4)
+    profile = e.runner.machine_profile
+    assert profile is not None and not profile.stable and profile.path is None
+    assert "not caching them" in caplog.text and not list(cache.glob("*.json"))
+    assert e.info.machine_profile["stable"] is False
+    assert "timings unsteady" in profile.describe()[0]
+    measured = {c.group: c.max_packed_rows for c in profile.crossovers}
+    assert all(m.max_packed_rows == measured[g] for g, mods in tuning.layer_groups(e.runner.model).items()
+               for m in mods)

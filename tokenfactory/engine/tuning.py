@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -52,6 +52,8 @@ ROWS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 THREAD_ROWS = (1, 2, 4, 8)
 MAX_LAYERS_PER_GROUP = 30
 ONE_THREAD_GAIN = 1.10  # one thread must be this much faster to be chosen: a tie keeps all threads
+MAX_PASSES = 4  # timings are repeated until a pass lowers no minimum by more than STEADY_TOLERANCE
+STEADY_TOLERANCE = 0.15
 RELEVANT_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_bf16", "amx_int8", "amx_tile",
                   "avx_vnni", "fma", "f16c", "asimd", "sve", "sve2", "bf16", "i8mm")
 
@@ -93,6 +95,7 @@ class MachineProfile:
     threads: ThreadPolicy | None
     source: str = "measured"  # "measured" now, or "cached" (read from `path`)
     path: str | None = None
+    stable: bool = True  # False: the timings never settled (a busy machine); used for this run, never cached
 
     def to_json(self) -> dict[str, Any]:
         return {"version": PROFILE_VERSION, **asdict(self)}
@@ -106,11 +109,11 @@ class MachineProfile:
             raise ValueError("a crossover is out of range")
         threads = ThreadPolicy(**data["threads"]) if data.get("threads") else None
         return cls(data["key"], data["measured_at"], float(data["measure_s"]), crossovers, threads, "cached",
-                   str(path))
+                   str(path), bool(data.get("stable", True)))
 
     def summary(self) -> dict[str, Any]:
         """The choices, without the timings (for /machine-profile, the benchmark JSON, the engine's info)."""
-        return {"source": self.source, "measured_at": self.measured_at, "path": self.path,
+        return {"source": self.source, "stable": self.stable, "measured_at": self.measured_at, "path": self.path,
                 "cpu": self.key.get("cpu"), "flags": self.key.get("flags"), "torch": self.key.get("torch"),
                 "threads": self.key.get("threads"),
                 "max_packed_rows": {c.group: c.max_packed_rows for c in self.crossovers},
@@ -120,7 +123,8 @@ class MachineProfile:
         """Lines for `tokenfactory doctor --machine`."""
         k = self.key
         lines = [f"machine profile ({self.source} {self.measured_at}, {self.measure_s:.1f} s to measure"
-                 + (f"; {self.path}" if self.path else "") + ")",
+                 + (f"; {self.path}" if self.path else "")
+                 + ("" if self.stable else "; timings unsteady: not cached, measure on a quiet machine") + ")",
                  f"  cpu      {k.get('cpu')}  [{' '.join(k.get('flags', []))}]",
                  f"  torch    {k.get('torch')}, {k.get('threads')} threads"]
         for c in self.crossovers:
@@ -199,18 +203,23 @@ def load_or_measure(model: nn.Module, device: torch.device, mode: str = "auto") 
         except (OSError, ValueError, KeyError, TypeError) as e:
             logger.warning("machine profile %s is unreadable (%s); measuring again", path, e)
     profile = measure(model, key)
-    _save(profile, path)
-    return profile
+    if not profile.stable:
+        logger.warning("machine profile: the timings did not settle in %d passes (is something else running?); "
+                       "using them for this run, not caching them: the next start measures again", MAX_PASSES)
+        return profile
+    return replace(profile, path=str(path)) if _save(profile, path) else profile
 
 
-def _save(profile: MachineProfile, path: Path) -> None:
+def _save(profile: MachineProfile, path: Path) -> bool:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(profile.to_json(), indent=1))
         tmp.replace(path)
+        return True
     except OSError as e:
         logger.warning("machine profile not cached (%s): the next start measures again", e)
+        return False
 
 
 def apply(model: nn.Module, profile: MachineProfile) -> None:
@@ -229,18 +238,18 @@ def apply(model: nn.Module, profile: MachineProfile) -> None:
 def measure(model: nn.Module, key: dict[str, Any]) -> MachineProfile:
     start = time.perf_counter()
     with torch.inference_mode():
-        crossovers = [measure_crossover(name, mods) for name, mods in layer_groups(model).items()]
-        profile = MachineProfile(key, "", 0.0, crossovers, None)
-        apply(model, profile)
-        threads = measure_threads(model) if torch.get_num_threads() > 1 else None
+        measured = [measure_crossover(name, mods) for name, mods in layer_groups(model).items()]
+        crossovers = [c for c, _ in measured]
+        apply(model, MachineProfile(key, "", 0.0, crossovers, None))
+        threads, threads_stable = measure_threads(model) if torch.get_num_threads() > 1 else (None, True)
     elapsed = time.perf_counter() - start
     stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    logger.info("machine profile measured in %.1f s", elapsed)
-    return MachineProfile(key, stamp, round(elapsed, 2), crossovers, threads)
+    stable = threads_stable and all(ok for _, ok in measured)
+    logger.info("machine profile measured in %.1f s%s", elapsed, "" if stable else " (timings unsteady)")
+    return MachineProfile(key, stamp, round(elapsed, 2), crossovers, threads, stable=stable)
 
 
 def _best_us(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm: first-call allocations, the packed kernel's own set-up
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
@@ -249,26 +258,56 @@ def _best_us(fn: Callable[[], object], repeats: int) -> float:
     return best * 1e6
 
 
-def measure_crossover(name: str, mods: list[QuantizedLinear], repeats: int = 5) -> Crossover:
-    """Packed against dense for one group, up the rows until the dense path wins twice running."""
+def steady_minimum(measure_pass: Callable[[], list[float]]) -> tuple[list[float], bool]:
+    """Elementwise minimum over passes of `measure_pass` (contention only ever adds time), until a pass lowers no
+    point by more than STEADY_TOLERANCE; False when MAX_PASSES did not get there (a busy machine)."""
+    best = measure_pass()
+    for _ in range(MAX_PASSES - 1):
+        again = measure_pass()
+        steady = all(b <= a * (1 + STEADY_TOLERANCE) for a, b in zip(again, best, strict=True))
+        best = [min(a, b) for a, b in zip(again, best, strict=True)]
+        if steady:
+            return best, True
+    return best, False
+
+
+def measure_crossover(name: str, mods: list[QuantizedLinear], repeats: int = 5) -> tuple[Crossover, bool]:
+    """Packed against dense for one group, at rows up to two past the first where the dense path wins; each
+    pass times both paths at every row count, passes repeat until steady (whether it was, second)."""
     layers = mods[:MAX_LAYERS_PER_GROUP]
     dtype = layers[0]._dense_fn().dtype  # the model's dtype: what the dense path multiplies in
-    rows, packed_us, dense_us = [], [], []
-    losses = 0
-    for t in ROWS:
+
+    def calls(t: int) -> tuple[Callable[[], object], Callable[[], object]]:
         xs = [torch.randn(t, m.in_features, dtype=torch.bfloat16) for m in layers]
-        packed_calls = [(m._packed_fn, x) for m, x in zip(layers, xs, strict=True)]
-        dense_calls = [(m._dense_fn, x.to(dtype)) for m, x in zip(layers, xs, strict=True)]
-        packed = _best_us(lambda c=packed_calls: [fn(x) for fn, x in c], repeats) / len(layers)  # type: ignore[misc]
-        dense = _best_us(lambda c=dense_calls: [F.linear(x, fn()) for fn, x in c], repeats) / len(layers)
-        rows.append(t)
-        packed_us.append(round(packed, 1))
-        dense_us.append(round(dense, 1))
-        losses = losses + 1 if dense <= packed else 0
-        if losses == 2:
-            break
+        packed = [(m._packed_fn, x) for m, x in zip(layers, xs, strict=True)]
+        dense = [(m._dense_fn, x.to(dtype)) for m, x in zip(layers, xs, strict=True)]
+        return (lambda: [fn(x) for fn, x in packed]), (lambda: [F.linear(x, fn()) for fn, x in dense])  # type: ignore[misc]
+
+    pairs = [calls(t) for t in ROWS]
+    for packed, dense in pairs[:2]:  # warm: first-call allocations, the kernels' own set-up
+        packed()
+        dense()
+
+    def one_pass(upto: int) -> list[float]:
+        times = []
+        for packed, dense in pairs[:upto]:
+            times += [_best_us(packed, repeats) / len(layers), _best_us(dense, repeats) / len(layers)]
+        return times
+
+    first = one_pass(len(ROWS))
+    upto = _rows_needed(first[0::2], first[1::2])
+    times, steady = steady_minimum(lambda: one_pass(upto))
+    times = [min(a, b) for a, b in zip(times, first, strict=False)]
+    packed_us, dense_us = [round(t, 1) for t in times[0::2]], [round(t, 1) for t in times[1::2]]
+    rows = list(ROWS[:upto])
     return Crossover(name, len(mods), mods[0].max_packed_rows, choose_crossover(rows, packed_us, dense_us), rows,
-                     packed_us, dense_us)
+                     packed_us, dense_us), steady
+
+
+def _rows_needed(packed: list[float], dense: list[float]) -> int:
+    """How many of ROWS to time again: up to two past the first where dense wins (all when it never does)."""
+    first_loss = next((i for i, (p, d) in enumerate(zip(packed, dense, strict=True)) if d <= p), len(ROWS))
+    return min(len(ROWS), first_loss + 3)
 
 
 def choose_crossover(rows: list[int], packed_us: list[float], dense_us: list[float]) -> int:
@@ -327,19 +366,27 @@ def _linear_stack(model: nn.Module, t: int) -> Callable[[], object]:
     return lambda: [c() for c in calls]
 
 
-def measure_threads(model: nn.Module, repeats: int = 7) -> ThreadPolicy:
-    """Small steps on one thread against all, with a gateway-like neighbour; the caller's thread count is kept."""
+def measure_threads(model: nn.Module, repeats: int = 5) -> tuple[ThreadPolicy, bool]:
+    """Small steps on one thread against all, with a gateway-like neighbour, in passes until steady (whether
+    they were, second); the caller's thread count is kept."""
     max_threads = torch.get_num_threads()
-    one, many = [], []
+    stacks = [_linear_stack(model, t) for t in THREAD_ROWS]
+
+    def one_pass() -> list[float]:
+        times = []
+        for stack in stacks:
+            for threads in (1, max_threads):
+                torch.set_num_threads(threads)
+                stack()  # the first region on a new team size pays its start-up
+                times.append(_best_us(stack, repeats) / 1e3)
+        return times
+
     try:
         with gateway_like_load():
-            for t in THREAD_ROWS:
-                stack = _linear_stack(model, t)
-                torch.set_num_threads(1)
-                one.append(round(_best_us(stack, repeats) / 1e3, 3))
-                torch.set_num_threads(max_threads)
-                many.append(round(_best_us(stack, repeats) / 1e3, 3))
+            times, steady = steady_minimum(one_pass)
     finally:
         torch.set_num_threads(max_threads)
-    return ThreadPolicy(max_threads, choose_single_thread(list(THREAD_ROWS), one, many), list(THREAD_ROWS), one, many)
+    one, many = [round(t, 3) for t in times[0::2]], [round(t, 3) for t in times[1::2]]
+    return ThreadPolicy(max_threads, choose_single_thread(list(THREAD_ROWS), one, many), list(THREAD_ROWS), one,
+                        many), steady
 
