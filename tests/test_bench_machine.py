@@ -125,7 +125,8 @@ def test_bench_machine_on_the_bundled_model(tmp_path) -> None:
     """The benchmark as a user runs it, shrunk: profile, offline, our server at two levels, goals, one JSON."""
     out = tmp_path / "machine.json"
     subprocess.run([sys.executable, "-m", "tokenfactory.cli", "bench", "machine", "--engines", "tokenfactory",
-                    "--levels", "1:2,2:4", "--output-len", "16", "--offline-requests", "8", "--results-dir",
+                    "--levels", "1:2,2:4", "--output-len", "16", "--offline-requests", "8", "--offline-args",
+                    "--prompt-len 32:64 --output-len 16:32 --single-output-len 32", "--results-dir",
                     str(tmp_path), "--out", str(out)], check=False, timeout=900, capture_output=True)
     data = json.loads(out.read_text())
     assert data["schema"] == SCHEMA and data["machine"]["num_cpus"] >= 1

@@ -27,6 +27,9 @@ def tiny_q4(tmp_path_factory) -> LoadedModel:
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TOKENFACTORY_PROFILE_CACHE", str(tmp_path / "profiles"))
+    # Caching is what these tests check, whatever else the machine runs: every second pass counts as steady
+    # (test_unsteady_timings_serve_this_run_but_are_not_cached checks the other side).
+    monkeypatch.setattr(tuning, "STEADY_TOLERANCE", float("inf"))
     return tmp_path / "profiles"
 
 
@@ -126,6 +129,7 @@ def test_a_profile_for_another_machine_or_a_broken_file_is_measured_again(tiny_q
 
 
 def test_an_unwritable_cache_still_serves(tiny_q4, tmp_path, monkeypatch, caplog) -> None:
+    monkeypatch.setattr(tuning, "STEADY_TOLERANCE", float("inf"))
     blocker = tmp_path / "file"
     blocker.write_text("")
     monkeypatch.setenv("TOKENFACTORY_PROFILE_CACHE", str(blocker / "profiles"))  # under a file: mkdir fails
@@ -172,7 +176,7 @@ def test_doctor_machine_on_the_bundled_model(tmp_path) -> None:
     groups = [c["group"] for c in data["crossovers"]]
     assert any(g.startswith("int4-g32 via cpu-int4pack, 3072x576") for g in groups)  # the MLP's fused gate/up
     assert data["threads"] is None or data["threads"]["max_threads"] == (os.cpu_count() or 1)
-    assert list(tmp_path.glob("*.json")) and data["measure_s"] > 0
+    assert data["measure_s"] > 0 and (list(tmp_path.glob("*.json")) or not data["stable"])  # a busy machine: not kept
 
 
 def test_passes_repeat_until_steady() -> None:

@@ -45,9 +45,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-path", default=None, help="GGUF file every engine loads (default: the bundled model)")
     p.add_argument("--engine-threads", type=int, default=None,
                    help="CPU threads for every engine (default: one per core, as each engine's own default)")
+    p.add_argument("--quantization", default="auto",
+                   help="our engine's weights, offline and served alike (auto: the file's own blocks; none, int8, "
+                        "int4)")
+    p.add_argument("--dtype", default="auto", help="our engine's dtype, offline and served alike")
     p.add_argument("--input-len", type=int, default=130)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--offline-requests", type=int, default=128, help="requests in the offline throughput run")
+    p.add_argument("--offline-args", default="", help="more `bench offline` options, e.g. '--output-len 16:32'")
     p.add_argument("--skip-offline", action="store_true", help="served figures only")
     p.add_argument("--results-dir", default="results", help="logs and the per-run JSON go here")
     p.add_argument("--out", default="results/bench-machine.json")
@@ -96,12 +101,17 @@ def measure_offline(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     out = workdir / "offline.json"
     model = ["--model", args.model_path] if args.model_path else []
     command = _tokenfactory_cli("bench", "offline", "--skip-hf", "--num-requests", str(args.offline_requests), *model,
-                                "--out", str(out))
+                                *engine_options(args), *shlex.split(args.offline_args), "--out", str(out))
     data = _run_json(command, out)["tokenfactory"]
     return {"command": shlex.join(["tokenfactory", *command[3:-2]]), "num_requests": args.offline_requests,
             "throughput_tok_s": round(data["throughput"]["output_tokens_per_s"], 1),
             "single_stream_decode_tok_s": round(data["single_stream"]["decode_tokens_per_s"], 1),
             "quantization": data["quantization"], "dtype": data["dtype"]}
+
+
+def engine_options(args: argparse.Namespace) -> list[str]:
+    """Our engine's options, the same offline and served (so the two single-stream figures compare)."""
+    return ["--quantization", args.quantization, "--dtype", args.dtype]
 
 
 def serve_args(args: argparse.Namespace) -> argparse.Namespace:
@@ -125,7 +135,8 @@ def measure_served(args: argparse.Namespace, name: str, levels: list[tuple[int, 
 
     sargs = serve_args(args)
     model_path = Path(args.model_path).expanduser() if args.model_path else bundled_model_path()
-    options = compare.LaunchOptions(model_path, sargs.max_model_len, max(c for c, _ in levels), {},
+    options = compare.LaunchOptions(model_path, sargs.max_model_len, max(c for c, _ in levels),
+                                    {"tokenfactory": engine_options(args)},
                                     Path(args.results_dir).expanduser() / "logs" / "machine-ledger",
                                     args.engine_threads)
     port = compare.free_port()
@@ -182,7 +193,8 @@ def main(args: argparse.Namespace) -> int:
         raise ParameterError("engines", f"--engines: unknown {', '.join(unknown)}")
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     model = [args.model_path] if args.model_path else []
-    profile = _run_json(_tokenfactory_cli("doctor", "--machine", *model, "--json"))
+    profile = _run_json(_tokenfactory_cli("doctor", "--machine", *model, "--quantization", args.quantization,
+                                          "--dtype", args.dtype, "--json"))
     with tempfile.TemporaryDirectory(prefix="tokenfactory-machine-") as tmp:
         offline = None if args.skip_offline else measure_offline(args, Path(tmp))
     served: dict[str, dict[str, Any]] = {}
@@ -195,6 +207,7 @@ def main(args: argparse.Namespace) -> int:
             served[name] = result
     result = {"schema": SCHEMA, "time": started, "machine": machine_facts(), "profile": profile,
               "offline": offline, "served": served, "skipped": skipped, "goals": goals(offline, served),
+              "engine": {"quantization": args.quantization, "dtype": args.dtype},
               "workload": {"input_len": args.input_len, "output_len": args.output_len, "levels": levels,
                            "ignore_eos": True, "streaming": True, "engine_threads": args.engine_threads}}
     out = Path(args.out)

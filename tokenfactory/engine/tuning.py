@@ -174,8 +174,9 @@ def profile_key(model: nn.Module, device: torch.device) -> dict[str, Any]:
     cpu, flags = cpu_identity()
     shapes = sorted((name, len(mods)) for name, mods in layer_groups(model).items())
     linears = sorted({(m.out_features, m.in_features) for m in model.modules() if isinstance(m, nn.Linear)})
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")  # the dense path multiplies in it
     return {"cpu": cpu, "flags": flags, "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "device": device.type, "groups": shapes, "dense_linears": linears}
+            "device": device.type, "dtype": dtype, "groups": shapes, "dense_linears": linears}
 
 
 def cache_root() -> Path:

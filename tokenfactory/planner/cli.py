@@ -37,6 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               "model): cached, or measured now as the engine's first start would")
     machine.add_argument("--remeasure", action="store_true", help="with --machine: measure again and cache it")
     machine.add_argument("--quantization", default="auto", help="with --machine: the engine's weight scheme")
+    machine.add_argument("--dtype", default="auto", help="with --machine: the engine's dtype")
     machine.add_argument("--threads", type=int, help="with --machine: CPU threads (default: PyTorch's)")
     doctor.set_defaults(func=cmd_doctor)
 
@@ -266,7 +267,8 @@ def _doctor_machine(args: argparse.Namespace) -> int:
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    engine = LLMEngine(EngineConfig(model=args.model, quantization=args.quantization, kv_cache_memory=16 << 20,
+    engine = LLMEngine(EngineConfig(model=args.model, quantization=args.quantization, dtype=args.dtype,
+                                    kv_cache_memory=16 << 20,
                                     max_model_len=256, machine_profile="remeasure" if args.remeasure else "auto"))
     profile = engine.runner.machine_profile
     if profile is None:
