@@ -55,7 +55,7 @@ def test_choices_from_timings() -> None:
 
 def test_measured_at_the_first_start_cached_and_applied(tiny_q4, cache) -> None:
     first = engine(tiny_q4)
-    profile = first.runner.machine_profile
+    profile = first.machine_profile
     assert profile is not None and profile.source == "measured"
     files = list(cache.glob("*.json"))
     assert len(files) == 1

@@ -28,6 +28,7 @@ from tokenfactory.engine.sampler import SampledToken, Sampler
 from tokenfactory.engine.scheduler import POLICIES, Scheduler, SchedulerOutput, make_policy
 from tokenfactory.engine.sequence import Sequence
 from tokenfactory.engine.speculative import NoSpeculation, SpecHost, build_speculator
+from tokenfactory.engine.tuning import MachineProfile
 from tokenfactory.layers.quant import QuantOptions, QuantSummary, decode_weight_bytes
 from tokenfactory.models.loader import LoadedModel, load_model
 from tokenfactory.models.tokenizer import Tokenizer
@@ -180,6 +181,11 @@ class LLMEngine:
     @property
     def quant_summary(self) -> QuantSummary | None:
         return self.runner.quant_summary
+
+    @property
+    def machine_profile(self) -> MachineProfile | None:
+        """The kernel crossovers and thread policy this engine runs with (engine/tuning.py), None when off."""
+        return self.runner.machine_profile
 
     def reset_prefix_cache(self) -> None:
         """Forget cached prefixes (benchmarks and evaluations that must not hit an earlier run's blocks)."""

@@ -270,7 +270,7 @@ def _doctor_machine(args: argparse.Namespace) -> int:
     engine = LLMEngine(EngineConfig(model=args.model, quantization=args.quantization, dtype=args.dtype,
                                     kv_cache_memory=16 << 20,
                                     max_model_len=256, machine_profile="remeasure" if args.remeasure else "auto"))
-    profile = engine.runner.machine_profile
+    profile = engine.machine_profile
     if profile is None:
         print(f"no machine profile: the engine runs on {engine.device}, which keeps its built-in constants")
         return 0
