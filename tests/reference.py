@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -173,16 +175,33 @@ def tiny_sentencepiece_vocab() -> tuple[list[str], list[int], list[float]]:
     return tokens, types, scores
 
 
+def q4_k_m_types(num_layers: int) -> Callable[[str], str]:
+    """HF name -> ggml type as llama.cpp's Q4_K_M picks it (llama_tensor_get_type): Q6_K for the LM head, and for
+    attn_v and ffn_down in the layers `use_more_bits` names (the first and last eighth, every third between),
+    Q4_K for everything else."""
+    def more_bits(i: int) -> bool:
+        return i < num_layers // 8 or i >= 7 * num_layers // 8 or (i - num_layers // 8) % 3 == 2
+
+    def pick(hf_name: str) -> str:
+        layer = re.match(r"model\.layers\.(\d+)\.", hf_name)
+        if hf_name == "lm_head.weight" or (layer and more_bits(int(layer[1])) and
+                                           (".v_proj." in hf_name or ".down_proj." in hf_name)):
+            return "Q6_K"
+        return "Q4_K"
+    return pick
+
+
 def tiny_gguf_file(path: Path, arch: str = "llama", *, ggml_type: str = "F32", num_layers: int = 2,
                    hidden_size: int = 64, intermediate_size: int = 96, num_heads: int = 4, num_kv_heads: int = 2,
                    tie_word_embeddings: bool = False, drop_tensors: tuple[str, ...] = (),
                    extra_tensors: dict[str, torch.Tensor] | None = None,
                    extra_metadata: dict[str, object] | None = None, tokenizer_model: str = "gpt2",
-                   seed: int = 0) -> dict[str, torch.Tensor]:
+                   tensor_types: Callable[[str], str] | None = None, seed: int = 0) -> dict[str, torch.Tensor]:
     """Write a tiny GGUF the way llama.cpp's converter would (Q/K rows permuted for llama/mistral, not for
     qwen2; 2-D weights stored as `ggml_type`, norms and biases as F32) and return the Hugging Face-named
     float32 weights it encodes (after the quantization round trip), for exact comparison.
-    `tokenizer_model` "gpt2" writes a byte-level BPE vocabulary, "llama" a SentencePiece one."""
+    `tokenizer_model` "gpt2" writes a byte-level BPE vocabulary, "llama" a SentencePiece one. `tensor_types`:
+    HF name -> ggml type per 2-D tensor, for files that mix types (`q4_k_m_types`)."""
     import gguf
     import numpy as np
     from gguf.quants import dequantize, quantize
@@ -197,12 +216,12 @@ def tiny_gguf_file(path: Path, arch: str = "llama", *, ggml_type: str = "F32", n
                          attention_bias=arch == "qwen2")
     from tokenfactory.models.loader import expected_weight_shapes
 
-    qtype = gguf.GGMLQuantizationType[ggml_type]
     writer = gguf.GGUFWriter(str(path), arch)
     expected: dict[str, torch.Tensor] = {}
     for hf_name, shape in expected_weight_shapes(config).items():
         values = torch.randn(shape, generator=generator) * 0.1 + (1.0 if "norm" in hf_name else 0.0)
         stored = values.numpy()
+        qtype = gguf.GGMLQuantizationType[tensor_types(hf_name) if tensor_types and len(shape) == 2 else ggml_type]
         if len(shape) == 2 and qtype != gguf.GGMLQuantizationType.F32:
             try:
                 stored = quantize(stored, qtype)

@@ -54,7 +54,10 @@ def test_the_environment_forces_it_either_way(monkeypatch):
 
 @pytest.mark.slow
 def test_loading_the_real_model_shows_a_bar_only_on_a_terminal():
-    code = "from tokenfactory.models.loader import load_model\nload_model(None)"
+    # The GGUF's weights are read lazily: the time, and the bar, are in placing them layer by layer.
+    code = ("import torch\nfrom tokenfactory.engine.placement import place_model\n"
+            "from tokenfactory.models.loader import load_model\nm = load_model(None)\n"
+            "place_model(m.config, m.weights, device=torch.device('cpu'), dtype=torch.bfloat16)")
     shown = run_with_stderr_on_a_terminal(code, clean_env())
     assert "loading weights" in shown
     piped = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean_env(), timeout=300)

@@ -9,12 +9,16 @@ import torch
 from torch import nn
 
 from tests.reference import tiny_gguf_file, tiny_random_model_dir
+from tokenfactory.layers import cpu_kernels
 from tokenfactory.layers.attention import AttentionMetadata, PrefillSpan
 from tokenfactory.layers.quant import (
+    DequantizeFromPacked,
     QuantizedLinear,
     apply_quantization,
     decode_weight_bytes,
+    int4pack_layout,
     source_weights,
+    unpack_int4pack,
 )
 from tokenfactory.layers.quant_formats import Int8Weight, quantize_int4, quantize_int8
 from tokenfactory.models.llama import LlamaForCausalLM
@@ -111,6 +115,59 @@ def test_dequantize_on_the_fly_matches_the_copy() -> None:
         x = torch.randn(64, 128).to(torch.bfloat16)
         assert rel_err(fly(x), copy(x).double()) < 6e-3
         assert not any(b.dtype == torch.bfloat16 and b.shape == (48, 128) for b in fly.dense.buffers())
+        if fly.packed is not None and fly.kernel_name != "cpu-int8pack":  # int4 kernels: their codes only
+            assert sum(b.numel() * b.element_size() for b in fly.buffers()) == packed_bytes(fly)
+
+
+def packed_bytes(layer: QuantizedLinear) -> int:
+    return sum(b.numel() * b.element_size() for b in layer.packed.buffers())
+
+
+@pytest.mark.parametrize("n", [64, 80, 100, 960])  # full blocks of 64 rows, a partial last block, padding
+def test_on_the_fly_reads_the_int4_kernels_own_codes(n, monkeypatch) -> None:
+    # One layout: on-the-fly dequantizes from the packed kernel's buffers and keeps nothing of its own, and
+    # the weight it gives is the very one the kernel multiplies by (the kernel against an identity matrix).
+    torch.manual_seed(n)
+    w = quantize_int4(torch.randn(n, 128), 32)
+    layer = build(w, "on-the-fly")
+    assert isinstance(layer.dense, DequantizeFromPacked) and not list(layer.dense.buffers())
+    assert int4pack_layout(layer.packed.packed.shape[0]) is not None
+    by_kernel = layer._packed_fn(torch.eye(128, dtype=torch.bfloat16)).t()  # (N, K)
+    assert torch.equal(layer._dense_fn(), by_kernel)
+    assert torch.equal(unpack_int4pack(layer.packed.packed, layer.dense.layout)[:n], w.q)
+    monkeypatch.setattr(cpu_kernels, "int4pack_dequantize_kernel", lambda: None)  # PyTorch ops: same bits
+    assert torch.equal(layer._dense_fn(), by_kernel)
+
+
+def test_on_the_fly_q8_0_planes_keep_one_copy(monkeypatch) -> None:
+    torch.manual_seed(3)
+    w = q8_0_like(48, 128)
+    layer = build(w, "on-the-fly")
+    assert layer.kernel_name == "cpu-int8-as-int4-planes" and isinstance(layer.dense, DequantizeFromPacked)
+    assert sum(b.numel() * b.element_size() for b in layer.buffers()) == packed_bytes(layer)
+    # 16d * hi + d * lo summed in float32 and rounded once: the codes times bf16 scales, within bf16 rounding.
+    ref = kernel_weight(w)
+    got = layer._dense_fn()
+    assert torch.equal(got, ref.to(torch.bfloat16))
+    monkeypatch.setattr(cpu_kernels, "int4pack_dequantize_kernel", lambda: None)
+    assert torch.equal(layer._dense_fn(), got)
+
+
+@pytest.mark.parametrize("capability", ["avx2", "default"])
+def test_the_int4_pack_layout_is_probed_per_build(capability) -> None:
+    # AVX-512 packs 64-row blocks in halves, AVX2 32-row ones, a build without vectors row pairs: each is read.
+    import subprocess
+    import sys
+
+    code = ("import torch; from tokenfactory.layers.quant import int4pack_layout, unpack_int4pack as u\n"
+            "for n in (16, 48, 64, 80, 112):\n"
+            "    q = torch.randint(0, 16, (n, 64), dtype=torch.int32)\n"
+            "    p = torch._convert_weight_to_int4pack_for_cpu(q, 1)\n"
+            "    assert torch.equal(u(p, int4pack_layout(n)), q.to(torch.uint8)), n\n"
+            "print(torch.backends.cpu.get_cpu_capability())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**__import__("os").environ, "ATEN_CPU_CAPABILITY": capability})
+    assert out.returncode == 0, out.stderr
 
 
 def test_moving_the_module_rebinds_the_fast_path() -> None:

@@ -30,11 +30,13 @@ from tokenfactory.layers.quant import (
     get_scheme,
     llama_linear_sources,
     pick_kernel,
+    reads_packed,
     source_weights,
 )
 from tokenfactory.layers.quant_formats import Int4Weight, Int8Weight, QuantizedWeight, RawGGUFTensors, concat_rows
 from tokenfactory.models.llama import MODEL_REGISTRY, LlamaForCausalLM
 from tokenfactory.models.loader import LoadedModel
+from tokenfactory.progress import track
 
 
 def release_freed_memory() -> None:
@@ -71,7 +73,7 @@ def place_model(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], *, device
     options = options or QuantOptions()
     with torch.device("meta"):
         model = MODEL_REGISTRY[cfg.architecture](cfg, max_positions=1)
-    # The file's own quantized weights (GGUF blocks, a quantized file): already packed-size, mapped once.
+    # The file's own quantized weights (GGUF blocks, a quantized file), each mapped as its layer lands.
     sources = source_weights(raw_gguf, quantized) if scheme.keeps_source or scheme.quantize is not None else {}
     path_to_format: dict[str, str] = {}
 
@@ -91,11 +93,13 @@ def place_model(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], *, device
     model.norm = nn.Parameter(torch.empty(cfg.hidden_size, device=device, dtype=dtype))
     model.load_outer_weights(weights)  # re-ties a tied LM head to the embedding
     quantize(("lm_head",))
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(track(model.layers, "loading weights", total=len(model.layers))):
         layer.to_empty(device=device).to(dtype=dtype)
         model.load_layer_weights(i, weights)
         quantize(layer_linear_paths(i))
-    sources.clear()  # the file's mapped weights now live in the layers (or were requantized): drop the rest
+    release = getattr(weights, "release", None)  # a file-backed mapping (models/gguf.py GGUFWeights): its pages
+    if callable(release):
+        release()
     release_freed_memory()
     return model.eval(), QuantSummary(scheme.name, path_to_format)
 
@@ -133,6 +137,8 @@ def _quantized_bytes(w: QuantizedWeight, device: torch.device, dense: str, dtype
     packed = _packed_bytes(kernel.name, w) if kernel else 0
     if dense == "copy":
         return packed + n * k * dtype_bytes
+    if reads_packed(kernel, n):  # on-the-fly dequantizes from the int4 kernel's own buffers
+        return packed
     int4 = isinstance(w, Int4Weight)
     # On-the-fly keeps int4 codes two a byte; int8 codes are the int8 kernel's own tensor when it has one.
     codes = n * k // 2 if int4 else (0 if kernel is not None and kernel.name == "cpu-int8pack" else n * k)

@@ -3,7 +3,8 @@
 Only what PyTorch has no op for, or no fast one, lives here (`csrc/cpu_kernels.cpp`): decode attention
 straight from the paged KV cache (in the model's dtype or int8 with scales; full or sliding-window), and
 RMSNorm (PyTorch's spends ~18 us per 576-wide row in separate kernels, a tenth of a single-stream int4
-decode step over 61 norms). The build goes to a per-machine cache
+decode step over 61 norms), and int4 weights dequantized straight from torch's packed layout (so on-the-fly
+quantized layers keep their codes once; PyTorch ops took ~3x as long). The build goes to a per-machine cache
 (`~/.cache/tokenfactory/kernels`, or `$TOKENFACTORY_KERNEL_CACHE`), keyed by the source, the compiler flags,
 the CPU and the torch version, so a process compiles once (~20 s on 2 cores) and every later process loads
 it in milliseconds. Loading a `.so` runs its code, so the cache is used only when it, the build's directory
@@ -146,3 +147,10 @@ def rms_norm_kernel() -> Callable[[torch.Tensor, torch.Tensor, float], torch.Ten
     """`f(x (T, H) contiguous, weight (H,), eps) -> out`, or None."""
     module = _load()
     return None if module is None else module.rms_norm
+
+
+def int4pack_dequantize_kernel() -> Callable[..., torch.Tensor] | None:
+    """`f(packed (N, K/2) uint8, scales_and_zeros (K/g, N, 2) bf16, group, block_n, full_halves) -> W^T (K, N)`
+    bf16 from torch's CPU int4 pack (layout in csrc/cpu_kernels.cpp), or None."""
+    module = _load()
+    return None if module is None else module.int4pack_dequantize_t

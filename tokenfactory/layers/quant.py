@@ -28,13 +28,15 @@ dispatches between them change together; the formats, the file and the CLI live 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+import functools
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenfactory.layers import cpu_kernels
 from tokenfactory.layers.quant_formats import (
     INT4_GROUP_SIZES,
     Int4Weight,
@@ -44,6 +46,7 @@ from tokenfactory.layers.quant_formats import (
     check_group_size,
     concat_rows,
     from_gguf_blocks,
+    maps_exactly,
     quantize_int4,
     quantize_int8,
     unpack_nibbles,
@@ -111,15 +114,40 @@ def llama_linear_sources(model: nn.Module, available: Mapping[str, object]) -> d
     return paths
 
 
+class SourceWeights(Mapping[str, QuantizedWeight]):
+    """HF name -> the file's own quantized weight, where it maps exactly onto our formats: a quantized file's
+    as stored, a GGUF's mapped from its blocks when asked for and not kept (one code a byte plus float32
+    scales is ~1.25 bytes a weight: mapping the whole model first held more than the file itself while
+    placing, so each layer maps its own as it lands)."""
+
+    def __init__(self, raw_gguf: RawGGUFTensors | None, quantized: Mapping[str, QuantizedWeight] | None) -> None:
+        self._raw = raw_gguf or {}
+        self._quantized = dict(quantized or {})
+        self._mapped = {n for n, (type_name, _, shape) in self._raw.items() if maps_exactly(type_name, shape)}
+        self._names = list(dict.fromkeys([*self._quantized, *(n for n in self._raw if n in self._mapped)]))
+
+    def __getitem__(self, name: str) -> QuantizedWeight:
+        if name in self._quantized:
+            return self._quantized[name]
+        if name not in self._mapped:
+            raise KeyError(name)
+        type_name, blocks, shape = self._raw[name]
+        return from_gguf_blocks(type_name, blocks, shape)  # type: ignore[return-value]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._quantized or name in self._mapped
+
+
 def source_weights(raw_gguf: RawGGUFTensors | None,
-                   quantized: Mapping[str, QuantizedWeight] | None) -> dict[str, QuantizedWeight]:
-    """HF name -> the file's own quantized weight, where it maps exactly onto our formats."""
-    found: dict[str, QuantizedWeight] = dict(quantized or {})
-    for name, (type_name, blocks, shape) in (raw_gguf or {}).items():
-        mapped = from_gguf_blocks(type_name, blocks, shape)
-        if mapped is not None:
-            found[name] = mapped
-    return found
+                   quantized: Mapping[str, QuantizedWeight] | None) -> SourceWeights:
+    """HF name -> the file's own quantized weight, where it maps exactly onto our formats (lazily)."""
+    return SourceWeights(raw_gguf, quantized)
 
 
 def plan_quantization(model: nn.Module, scheme: Scheme, sources: Mapping[str, QuantizedWeight],
@@ -207,6 +235,25 @@ class Int8ChannelCPU(nn.Module):
         return lambda x: op(x, q, scale)
 
 
+# Rows packed at a time (a multiple of every pack block, 64): the packer takes int32 codes, 4 bytes a weight, so
+# the bundled model's 49152-row LM head packed whole (as Q8_0 planes, 2 x 576 codes a row) took ~230 MB at once.
+PACK_ROWS = 4096
+
+
+def pack_int4_cpu(q: torch.Tensor, pad: int) -> torch.Tensor:
+    """(N, K) uint8 codes -> torch's CPU int4 pack of N + pad rows (padded rows code 8: with a zero scale and
+    zero point they dequantize to 0), a block of rows at a time: blocks are laid out one after another, so
+    packing row blocks apart gives the same bytes."""
+    n, k = q.shape
+    out = torch.empty(n + pad, k // 2, dtype=torch.uint8)
+    for start in range(0, n + pad, PACK_ROWS):
+        rows = q[start:start + PACK_ROWS].to(torch.int32)
+        if start + PACK_ROWS >= n and pad:  # the last block: the padding rows
+            rows = torch.cat([rows, torch.full((pad, k), 8, dtype=torch.int32)])
+        out[start:start + rows.shape[0]] = torch._convert_weight_to_int4pack_for_cpu(rows, 1)
+    return out
+
+
 class Int4GroupCPU(nn.Module):
     """torch._weight_int4pack_mm_for_cpu: codes packed by _convert_weight_to_int4pack_for_cpu, and
     scales_and_zeros (K/g, N, 2) bf16 with w = (q - 8) * scale + zero. N is padded to a multiple of 16."""
@@ -216,10 +263,9 @@ class Int4GroupCPU(nn.Module):
         n, k = w.shape
         self.num_out, self.group_size = n, w.group_size
         pad = -n % 16
-        q = F.pad(w.q.to(torch.int32), (0, 0, 0, pad), value=8)  # (N + pad, K); padded rows dequantize to 0
         zero = F.pad(w.min + 8 * w.scale, (0, 0, 0, pad))
         scale = F.pad(w.scale, (0, 0, 0, pad))
-        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, 1).to(device))
+        self.register_buffer("packed", pack_int4_cpu(w.q, pad).to(device))
         self.register_buffer("scales_and_zeros", _bf16(torch.stack([scale, zero], -1).transpose(0, 1)).to(device))
 
     def bind(self) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -228,6 +274,63 @@ class Int4GroupCPU(nn.Module):
         if packed.shape[0] == n:
             return lambda x: op(x, packed, group, sz)
         return lambda x: op(x, packed, group, sz)[:, :n]
+
+
+# torch's CPU int4 pack, read back: blocks of `block_n` output rows, each (K, nb / 2) bytes; byte j of a line
+# holds rows j and j + nb / 2 ("halves", full blocks on AVX-512 / AVX2) or rows 2j and 2j + 1 ("pairs", the
+# last partial block, and builds without vectors). Which one this torch uses is probed, not assumed.
+@dataclass(frozen=True)
+class Int4PackLayout:
+    block_n: int
+    full_halves: bool
+
+
+_INT4PACK_LAYOUTS = (Int4PackLayout(64, True), Int4PackLayout(32, True), Int4PackLayout(32, False),
+                     Int4PackLayout(64, False))
+
+
+@functools.cache
+def int4pack_layout(num_rows: int) -> Int4PackLayout | None:
+    """The layout torch's CPU int4 pack gives `num_rows` rows (a multiple of 16), found by packing random codes
+    and reading them back; None if none of the known ones fits (then on-the-fly keeps its own codes)."""
+    if not _has_kernel("_convert_weight_to_int4pack_for_cpu", "cpu"):
+        return None
+    probe = torch.randint(0, 16, (num_rows, 32), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    packed = torch._convert_weight_to_int4pack_for_cpu(probe, 1)
+    if packed.dtype != torch.uint8 or tuple(packed.shape) != (num_rows, 16):
+        return None
+    return next((lay for lay in _INT4PACK_LAYOUTS if torch.equal(unpack_int4pack(packed, lay), probe.to(torch.uint8))),
+                None)
+
+
+def unpack_int4pack(packed: torch.Tensor, layout: Int4PackLayout) -> torch.Tensor:
+    """(N, K/2) uint8 in torch's CPU int4 pack -> (N, K) uint8 codes, with PyTorch ops."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    flat, b = packed.reshape(-1), layout.block_n
+    num_full, tail = n // b, n % b
+    full = flat[:num_full * b * k // 2].view(num_full, k, b // 2)  # (blocks, K, block_n / 2)
+    lo, hi = full & 0x0F, full >> 4
+    rows = torch.cat([lo, hi], -1) if layout.full_halves else torch.stack([lo, hi], -1).view(num_full, k, b)
+    parts = [rows.permute(0, 2, 1).reshape(num_full * b, k)]  # (blocks * block_n, K)
+    if tail:
+        last = flat[num_full * b * k // 2:].view(k, tail // 2)  # pairs
+        parts.append(torch.stack([last & 0x0F, last >> 4], -1).view(k, tail).t())
+    return torch.cat(parts)
+
+
+def dequantize_int4pack(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
+                        layout: Int4PackLayout, planes: bool = False) -> torch.Tensor:
+    """The (N, K) bfloat16 weight an Int4GroupCPU holds, w = (q - 8) * s + z in float32 rounded once (as its
+    kernel computes; `planes`: the sum of the two halves along K, Int8GroupAsInt4PlanesCPU's): a transposed
+    view of the compiled kernel's W^T, else from PyTorch ops."""
+    kernel = cpu_kernels.int4pack_dequantize_kernel() if packed.device.type == "cpu" else None
+    if kernel is not None:
+        return kernel(packed, scales_and_zeros, group_size, layout.block_n, layout.full_halves, planes).t()
+    q = unpack_int4pack(packed, layout)
+    n, k = q.shape
+    scale, zero = scales_and_zeros.float().permute(2, 1, 0).unsqueeze(-1)  # (N, K/g, 1) each
+    w = ((q.view(n, k // group_size, group_size).float() - 8) * scale + zero).view(n, k)
+    return (w[:, :k // 2] + w[:, k // 2:] if planes else w).to(torch.bfloat16)
 
 
 class Int8GroupAsInt4PlanesCPU(nn.Module):
@@ -239,11 +342,14 @@ class Int8GroupAsInt4PlanesCPU(nn.Module):
 
     def __init__(self, w: Int8Weight, device: torch.device) -> None:
         super().__init__()
-        q = w.q.to(torch.int16)
-        hi = torch.div(q, 16, rounding_mode="floor")  # [-8, 7]
-        lo = q - 16 * hi  # [0, 15]
+        n, k = w.shape
+        codes = torch.empty(n, 2 * k, dtype=torch.uint8)  # (N, 2K), filled a block of rows at a time
+        for start in range(0, n, PACK_ROWS):
+            q = w.q[start:start + PACK_ROWS].to(torch.int16)
+            hi = torch.div(q, 16, rounding_mode="floor")  # [-8, 7]
+            codes[start:start + PACK_ROWS, :k] = hi + 8
+            codes[start:start + PACK_ROWS, k:] = q - 16 * hi  # lo in [0, 15]
         d = w.scale  # (N, K/g)
-        codes = torch.cat([hi + 8, lo], dim=1).to(torch.uint8)  # (N, 2K)
         # Plane hi: (hi + 8) * 16d - 128d = 16d * hi; plane lo: lo * d.
         planes = Int4Weight(codes, torch.cat([16 * d, d], dim=1), torch.cat([-128 * d, torch.zeros_like(d)], dim=1))
         self.planes = Int4GroupCPU(planes, device)
@@ -301,7 +407,12 @@ def _has_kernel(op: str, device_type: str) -> bool:
 #     int8 on-the-fly     34.1  34.9  35.2  36.3  36.6  38.8  40.8  44.8  47.6  67.7
 #     int4 on-the-fly    101.4 102.2 104.3 104.0 105.5 108.3 103.4 105.8 108.1 123.3
 #
-# Packed wins up to ~12 rows (int8), ~16 (int4), ~4 (Q8_0 planes) against a kept copy. With both cores free,
+# Packed wins up to ~12 rows (int8), ~16 (int4), ~4 (Q8_0 planes) against a kept copy. The int4 and Q8_0 on-the-fly
+# rows above are the old path (a second copy of the codes, unpacked by PyTorch ops); dequantizing from the packed
+# kernel's own buffers in one compiled pass (DequantizeFromPacked) measured, same setup, at T = 8 / 32 / 48 / 64:
+#     int4 from packed    62.7 111.0  99.0  87.6   (packed 20.4  76.6 113.9 149.6)
+#     Q8_0 from packed   179.9 193.8 205.9 206.2   (packed 46.9 161.5 257.7 332.4)
+# so both leave the packed kernel after ~32 rows. With both cores free,
 # bf16 GEMM gains more from the second thread than the GEMV-like kernels do, so the thresholds below sit a
 # little under the 1-thread crossovers.
 KERNELS: tuple[Kernel, ...] = (
@@ -310,10 +421,10 @@ KERNELS: tuple[Kernel, ...] = (
            Int8ChannelCPU, {"copy": 10, "on-the-fly": 32}),  # type: ignore[arg-type]
     Kernel("cpu-int4pack", "cpu",
            lambda w: isinstance(w, Int4Weight) and w.group_size in (32, 64, 128, 256),
-           Int4GroupCPU, {"copy": 12, "on-the-fly": 64}),  # type: ignore[arg-type]
+           Int4GroupCPU, {"copy": 12, "on-the-fly": 32}),  # type: ignore[arg-type]
     Kernel("cpu-int8-as-int4-planes", "cpu",
            lambda w: isinstance(w, Int8Weight) and w.group_size in (32, 64, 128, 256),
-           Int8GroupAsInt4PlanesCPU, {"copy": 4, "on-the-fly": 16}),  # type: ignore[arg-type]
+           Int8GroupAsInt4PlanesCPU, {"copy": 4, "on-the-fly": 32}),  # type: ignore[arg-type]
     Kernel("cuda-int4pack", "cuda",
            lambda w: (isinstance(w, Int4Weight) and w.group_size in (32, 64, 128, 256) and w.shape[1] % 32 == 0
                       and w.shape[0] % 8 == 0 and _has_kernel("_weight_int4pack_mm", "cuda")),
@@ -338,17 +449,19 @@ class DenseCopy(nn.Module):
         dense = w.dequantize().to(device=device, dtype=dtype)
         self.register_buffer("dense", old.detach() if old.dtype == dtype and torch.equal(old, dense) else dense)
 
-    def weight(self) -> torch.Tensor:
+    def weight(self, packed: nn.Module | None = None) -> torch.Tensor:
         return self.dense
 
-    def bind(self) -> Callable[[], torch.Tensor]:
+    def bind(self, packed: nn.Module | None) -> Callable[[], torch.Tensor]:
         dense = self.dense
         return lambda: dense
 
 
 class DequantizeOnTheFly(nn.Module):
     """Keeps codes and scales only (int4 codes two per byte); dequantizes per call. Plain multiply and add:
-    torch's bf16 addcmul on CPU measured 3x slower than the two ops (2.7 vs 0.8 ms for a 3072 x 576 layer)."""
+    torch's bf16 addcmul on CPU measured 3x slower than the two ops (2.7 vs 0.8 ms for a 3072 x 576 layer).
+    Used where no packed kernel holds the codes in a layout we can read (CUDA, no kernel); on the CPU int4
+    kernels, `DequantizeFromPacked` keeps nothing of its own."""
 
     def __init__(self, w: QuantizedWeight, old: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -359,20 +472,56 @@ class DequantizeOnTheFly(nn.Module):
         offset = w.min.to(device=device, dtype=dtype).unsqueeze(-1) if isinstance(w, Int4Weight) else None
         self.register_buffer("offset", offset)  # (N, K/g, 1); None for int8 (symmetric)
 
-    def weight(self) -> torch.Tensor:
+    def weight(self, packed: nn.Module | None = None) -> torch.Tensor:
         q = unpack_nibbles(self.codes) if self.int4 else self.codes  # (N, K)
         n, num_groups = self.scale.shape[0], self.scale.shape[1]
         w = q.view(n, num_groups, -1).to(self.dtype) * self.scale  # (N, K/g, g)
         return (w if self.offset is None else w + self.offset).view(n, -1)
 
-    def bind(self) -> Callable[[], torch.Tensor]:
+    def bind(self, packed: nn.Module | None) -> Callable[[], torch.Tensor]:
         return self.weight
+
+
+class DequantizeFromPacked(nn.Module):
+    """The dense weight dequantized per call from the packed kernel's own buffers (Int4GroupCPU, or the two
+    planes of Int8GroupAsInt4PlanesCPU), so the codes are kept once: a Q4_K / Q4_1 / int4 layer keeps ~0.63
+    bytes a weight rather than 1.25 with a second, dense-friendly copy of its codes. Scales are the kernel's
+    bfloat16 ones (the kept-copy path's are exact). The compiled kernel reads the pack in one pass
+    (`int4pack_dequantize_t`); without it, PyTorch ops unpack it (`unpack_int4pack`), ~3x slower."""
+
+    def __init__(self, shape: tuple[int, int], dtype: torch.dtype, layout: Int4PackLayout) -> None:
+        super().__init__()
+        self.num_out, self.num_in = shape
+        self.dtype, self.layout = dtype, layout
+
+    def weight(self, packed: nn.Module | None) -> torch.Tensor:
+        planes = isinstance(packed, Int8GroupAsInt4PlanesCPU)  # [W_hi | W_lo] along K: d * q = 16d * hi + d * lo
+        source = packed.planes if planes else packed  # type: ignore[union-attr]
+        w = dequantize_int4pack(source.packed, source.scales_and_zeros, source.group_size, self.layout, planes)
+        w = w[:self.num_out]  # (N, K), a transposed view when the kernel made W^T
+        return w if w.dtype == self.dtype else w.to(self.dtype)
+
+    def bind(self, packed: nn.Module | None) -> Callable[[], torch.Tensor]:
+        return lambda: self.weight(packed)
 
 
 DENSE_PATHS: dict[str, type[DenseCopy] | type[DequantizeOnTheFly]] = {
     "copy": DenseCopy,
     "on-the-fly": DequantizeOnTheFly,
 }
+
+
+def reads_packed(kernel: Kernel | None, num_out: int) -> bool:
+    """Whether on-the-fly dequantizes from this kernel's own buffers (no second copy of the codes)."""
+    return kernel is not None and kernel.name in ("cpu-int4pack", "cpu-int8-as-int4-planes") and \
+        int4pack_layout(num_out + -num_out % 16) is not None
+
+
+def dense_path_for(w: QuantizedWeight, kernel: Kernel | None, dense: str, old: torch.Tensor, dtype: torch.dtype,
+                   device: torch.device) -> nn.Module:
+    if dense == "on-the-fly" and reads_packed(kernel, w.shape[0]):
+        return DequantizeFromPacked(w.shape, dtype, int4pack_layout(w.shape[0] + -w.shape[0] % 16))  # type: ignore[arg-type]
+    return DENSE_PATHS[dense](w, old, dtype, device)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -396,7 +545,7 @@ class QuantizedLinear(nn.Module):
         # The hot path calls closures over the current tensors: an nn.Module attribute lookup costs about a
         # microsecond and a decode step makes ~120 of these calls. Rebound whenever tensors move (_apply).
         self._packed_fn = self.packed.bind() if self.packed is not None else None  # type: ignore[operator]
-        self._dense_fn = self.dense.bind()  # type: ignore[operator]
+        self._dense_fn = self.dense.bind(self.packed)  # type: ignore[operator]
         self._bias = self.bias
 
     def _apply(self, fn: Callable[..., torch.Tensor], recurse: bool = True) -> QuantizedLinear:
@@ -413,7 +562,7 @@ class QuantizedLinear(nn.Module):
             check_group_size(w.group_size, w.shape[1], "this layer")
         kernel = pick_kernel(w, device)
         packed = kernel.build(w, device) if kernel else None
-        dense_path = DENSE_PATHS[dense](w, old_weight, dtype, device)
+        dense_path = dense_path_for(w, kernel, dense, old_weight, dtype, device)
         max_rows = kernel.max_rows[dense] if kernel else 0
         return cls(w.format_name, kernel, packed, dense_path, None if bias is None else bias.detach(), max_rows,
                    w.shape)
@@ -432,7 +581,8 @@ class QuantizedLinear(nn.Module):
     def packed_bytes(self) -> int:
         """Bytes a packed call reads (codes, scales): what one decode token costs this layer."""
         if self.packed is None:
-            return self.dense.weight().numel() * self.dense.weight().element_size()  # type: ignore[operator]
+            weight = self.dense.weight()  # type: ignore[operator]
+            return weight.numel() * weight.element_size()
         return sum(b.numel() * b.element_size() for b in self.packed.buffers())
 
     def describe(self) -> str:

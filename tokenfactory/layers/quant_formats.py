@@ -250,12 +250,17 @@ GGUF_TYPE_TO_FORMAT: dict[str, tuple[Callable[[np.ndarray, tuple[int, ...]], Qua
 }
 
 
+def maps_exactly(type_name: str, shape: tuple[int, ...]) -> bool:
+    """Whether a GGUF matrix stored as `type_name` has an exact counterpart here (without mapping it)."""
+    entry = GGUF_TYPE_TO_FORMAT.get(type_name)
+    return entry is not None and len(shape) == 2 and shape[1] % entry[1] == 0
+
+
 def from_gguf_blocks(type_name: str, blocks: np.ndarray, shape: tuple[int, ...]) -> QuantizedWeight | None:
     """Our format for a GGUF matrix stored as `type_name`, or None if there is no exact mapping."""
-    entry = GGUF_TYPE_TO_FORMAT.get(type_name)
-    if entry is None or len(shape) != 2 or shape[1] % entry[1]:
+    if not maps_exactly(type_name, shape):
         return None
-    return entry[0](blocks, shape)
+    return GGUF_TYPE_TO_FORMAT[type_name][0](blocks, shape)
 
 
 # ---------------------------------------------------------------------------------------------------

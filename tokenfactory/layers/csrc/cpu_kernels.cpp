@@ -1,4 +1,5 @@
-// The engine's CPU kernels: decode attention straight from the paged KV cache, and RMSNorm.
+// The engine's CPU kernels: decode attention straight from the paged KV cache, RMSNorm, and int4 weights
+// dequantized from torch's packed layout (so a quantized layer keeps its codes once).
 //
 // Decode attention.
 // The PyTorch fallback gathers every sequence's blocks into a padded copy, then runs two batched matmuls over
@@ -21,6 +22,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -284,6 +286,91 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   return out;
 }
 
+// Int4 weights dequantized straight from torch's CPU int4 pack (_convert_weight_to_int4pack_for_cpu), so a
+// quantized layer keeps one copy of its codes: the packed kernel's, read by decode steps and, through this,
+// by large steps, which multiply by the dense weight. The pack is blocks of `block_n` output rows, each
+// (K, nb / 2) bytes (nb = the block's rows: block_n, or fewer for the last); byte j of a block's k-th line
+// holds two rows' codes at input k:
+//     halves   low nibble row j, high nibble row j + nb / 2   (full blocks on AVX-512 and AVX2)
+//     pairs    low nibble row 2j, high nibble row 2j + 1       (the last, partial block; non-vector builds)
+// layers/quant.py probes which one this torch uses. scales_and_zeros (K / g, N, 2): w = (q - 8) * s + z, in
+// float32 as the packed kernel computes it, rounded once to bfloat16. `planes`: the pack holds two planes
+// side by side along K (Q8_0 as 16d * hi + d * lo); their sum, rounded once, is the weight. Returns W^T
+// (K_out, N): each block's rows are contiguous along a line of W^T, so the writes stream.
+
+// float -> bfloat16 bits, rounded to nearest even, for finite values (no NaN branch, so loops vectorize).
+inline uint16_t bf16_bits(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// One line of a block (nb rows at one input), in row order: acc[r] (+)= (q - 8) * scale[r] + zero[r].
+inline void dequantize_line(const uint8_t* line, const float* scale, const float* zero, int64_t nb, bool halves,
+                            bool add, float* acc) {
+  const int64_t half = nb / 2;
+  if (halves) {
+#pragma omp simd
+    for (int64_t j = 0; j < half; ++j) {
+      const float lo = static_cast<float>((line[j] & 0x0F) - 8) * scale[j] + zero[j];
+      const float hi = static_cast<float>((line[j] >> 4) - 8) * scale[j + half] + zero[j + half];
+      acc[j] = add ? acc[j] + lo : lo;
+      acc[j + half] = add ? acc[j + half] + hi : hi;
+    }
+  } else {
+    for (int64_t j = 0; j < half; ++j) {
+      const float lo = static_cast<float>((line[j] & 0x0F) - 8) * scale[2 * j] + zero[2 * j];
+      const float hi = static_cast<float>((line[j] >> 4) - 8) * scale[2 * j + 1] + zero[2 * j + 1];
+      acc[2 * j] = add ? acc[2 * j] + lo : lo;
+      acc[2 * j + 1] = add ? acc[2 * j + 1] + hi : hi;
+    }
+  }
+}
+
+torch::Tensor int4pack_dequantize_t(torch::Tensor packed, torch::Tensor scales_and_zeros, int64_t group_size,
+                                    int64_t block_n, bool full_halves, bool planes) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
+              "int4pack_dequantize_t: packed must be contiguous (N, K/2) uint8");
+  const int64_t n = packed.size(0), k = packed.size(1) * 2, k_out = planes ? k / 2 : k;
+  TORCH_CHECK(scales_and_zeros.scalar_type() == at::kBFloat16 && scales_and_zeros.is_contiguous() &&
+                  scales_and_zeros.dim() == 3 && scales_and_zeros.size(0) * group_size == k &&
+                  scales_and_zeros.size(1) == n && scales_and_zeros.size(2) == 2,
+              "int4pack_dequantize_t: scales_and_zeros must be contiguous (K/g, N, 2) bfloat16");
+  TORCH_CHECK(block_n > 0 && block_n % 2 == 0 && n % 2 == 0 && k_out % group_size == 0,
+              "int4pack_dequantize_t: bad block or group size");
+  auto out = torch::empty({k_out, n}, packed.options().dtype(at::kBFloat16));
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  const c10::BFloat16* sz = scales_and_zeros.data_ptr<c10::BFloat16>();
+  auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
+  const int64_t num_blocks = (n + block_n - 1) / block_n, num_groups = k_out / group_size;
+  const int64_t num_planes = planes ? 2 : 1, plane_groups = num_groups;  // plane p's groups start at p * it
+  at::parallel_for(0, num_blocks * num_groups, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scale(2 * block_n), zero(2 * block_n), acc(block_n);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / num_groups, grp = task % num_groups;
+      const int64_t n0 = b * block_n, nb = std::min(block_n, n - n0);
+      const bool halves = full_halves && nb == block_n;
+      for (int64_t p = 0; p < num_planes; ++p) {
+        for (int64_t r = 0; r < nb; ++r) {
+          const c10::BFloat16* s = sz + ((grp + p * plane_groups) * n + n0 + r) * 2;
+          scale[p * block_n + r] = static_cast<float>(s[0]);
+          zero[p * block_n + r] = static_cast<float>(s[1]);
+        }
+      }
+      for (int64_t kk = grp * group_size; kk < (grp + 1) * group_size; ++kk) {
+        for (int64_t p = 0; p < num_planes; ++p) {
+          const uint8_t* line = src + n0 * k / 2 + (kk + p * k_out) * (nb / 2);
+          dequantize_line(line, &scale[p * block_n], &zero[p * block_n], nb, halves, p > 0, acc.data());
+        }
+        uint16_t* o = dst + kk * n + n0;
+#pragma omp simd
+        for (int64_t r = 0; r < nb; ++r) o[r] = bf16_bits(acc[r]);
+      }
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Release the GIL like PyTorch's own ops: the server's event loop runs while the engine thread computes.
   m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
@@ -293,4 +380,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("query_start"), py::arg("scale"), py::arg("window") = 0, py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>());
+  m.def("int4pack_dequantize_t", &int4pack_dequantize_t, py::call_guard<py::gil_scoped_release>());
 }
