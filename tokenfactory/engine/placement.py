@@ -33,7 +33,14 @@ from tokenfactory.layers.quant import (
     reads_packed,
     source_weights,
 )
-from tokenfactory.layers.quant_formats import Int4Weight, Int8Weight, QuantizedWeight, RawGGUFTensors, concat_rows
+from tokenfactory.layers.quant_formats import (
+    Int4Weight,
+    Int5Weight,
+    Int8Weight,
+    QuantizedWeight,
+    RawGGUFTensors,
+    concat_rows,
+)
 from tokenfactory.models.llama import MODEL_REGISTRY, LlamaForCausalLM
 from tokenfactory.models.loader import LoadedModel
 from tokenfactory.progress import track
@@ -109,15 +116,16 @@ def place_model(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], *, device
 
 # from_gguf_blocks's mappings: ggml type -> (format, group, the row length it needs)
 _GGUF_SHAPE_FORMATS = {"Q8_0": ("int8", 32, 32), "Q4_0": ("int4", 32, 32), "Q4_1": ("int4", 32, 32),
-                       "Q4_K": ("int4", 32, 256), "Q6_K": ("int8", 16, 256)}
+                       "Q4_K": ("int4", 32, 256), "Q5_K": ("int5", 32, 256), "Q6_K": ("int8", 16, 256)}
 
 
 def _meta_weight(kind: str, n: int, k: int, group: int) -> QuantizedWeight:
     meta = {"device": "meta"}
     if kind == "int8":
         return Int8Weight(torch.empty(n, k, dtype=torch.int8, **meta), torch.empty(n, k // group, **meta))
-    return Int4Weight(torch.empty(n, k, dtype=torch.uint8, **meta), torch.empty(n, k // group, **meta),
-                      torch.empty(n, k // group, **meta))
+    kind_type = Int5Weight if kind == "int5" else Int4Weight
+    return kind_type(torch.empty(n, k, dtype=torch.uint8, **meta), torch.empty(n, k // group, **meta),
+                     torch.empty(n, k // group, **meta))
 
 
 def _packed_bytes(kernel: str, w: QuantizedWeight) -> int:
@@ -128,6 +136,7 @@ def _packed_bytes(kernel: str, w: QuantizedWeight) -> int:
     return {"cpu-int8pack": n * k + 2 * n,  # int8 codes, a bf16 scale per row
             "cpu-int4pack": padded * k // 2 + groups * padded * 4,  # two codes a byte, bf16 scale and zero
             "cpu-int8-as-int4-planes": padded * k + 2 * groups * padded * 4,  # two int4 planes along 2K
+            "cpu-int5-as-int4-planes": padded * k + 2 * groups * padded * 4,
             "cuda-int4pack": n * k // 2 + groups * n * 4}[kernel]
 
 
@@ -139,10 +148,11 @@ def _quantized_bytes(w: QuantizedWeight, device: torch.device, dense: str, dtype
         return packed + n * k * dtype_bytes
     if reads_packed(kernel, n):  # on-the-fly dequantizes from the int4 kernel's own buffers
         return packed
-    int4 = isinstance(w, Int4Weight)
-    # On-the-fly keeps int4 codes two a byte; int8 codes are the int8 kernel's own tensor when it has one.
+    int4, with_min = isinstance(w, Int4Weight), not isinstance(w, Int8Weight)
+    # On-the-fly keeps int4 codes two a byte (int5 one a byte); int8 codes are the int8 kernel's own tensor
+    # when it has one.
     codes = n * k // 2 if int4 else (0 if kernel is not None and kernel.name == "cpu-int8pack" else n * k)
-    return packed + codes + (2 if int4 else 1) * n * (k // w.group_size) * dtype_bytes
+    return packed + codes + (2 if with_min else 1) * n * (k // w.group_size) * dtype_bytes
 
 
 def _planned_formats(loaded: LoadedModel, scheme: str, paths: dict[str, list[str]],

@@ -3,9 +3,10 @@ modules holding packed weights and scales; the model code never knows (gpt-fast'
 
     scheme "none"            nothing changes
     scheme "auto"            a GGUF keeps its own quantization (Q4_0/Q4_1/Q4_K -> int4 group 32, Q8_0 -> int8
-                             group 32, Q6_K -> int8 group 16, bit-exact codes; a fused layer whose parts
+                             group 32, Q5_K -> int5 group 32 (two int4 planes), Q6_K -> int8 group 16,
+                             bit-exact codes; a fused layer whose parts
                              mix types, as K-quant "_M" files do, becomes per-channel int8), a file written by
-                             `tokenfactory quantize` keeps its scheme; anything else (HF folders, Q5_K,
+                             `tokenfactory quantize` keeps its scheme; anything else (HF folders,
                              Q2_K/Q3_K, IQ types) stays dense
     scheme "int8"            symmetric int8, one scale per output channel
     scheme "int4[-gG]"       asymmetric int4, scale and zero point per group of G = 32 (default), 64, 128
@@ -40,6 +41,7 @@ from tokenfactory.layers import cpu_kernels
 from tokenfactory.layers.quant_formats import (
     INT4_GROUP_SIZES,
     Int4Weight,
+    Int5Weight,
     Int8Weight,
     QuantizedWeight,
     RawGGUFTensors,
@@ -333,12 +335,22 @@ def dequantize_int4pack(packed: torch.Tensor, scales_and_zeros: torch.Tensor, gr
     return (w[:, :k // 2] + w[:, k // 2:] if planes else w).to(torch.bfloat16)
 
 
-class Int8GroupAsInt4PlanesCPU(nn.Module):
+class Int4PlanesCPU(nn.Module):
+    """Two int4 planes side by side along K on one Int4GroupCPU, [x | x] @ [W_hi | W_lo]^T, so one kernel call
+    sums both (measured for the 49152 x 576 LM head, 1 thread: 1.9 ms, vs 2.2 ms for two calls). Subclasses
+    say how a wider code splits into the planes."""
+
+    planes: Int4GroupCPU
+
+    def bind(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        planes = self.planes.bind()
+        return lambda x: planes(torch.cat([x, x], dim=1))
+
+
+class Int8GroupAsInt4PlanesCPU(Int4PlanesCPU):
     """Grouped int8 (GGUF Q8_0) on the int4 kernel, exactly: q = 16 * hi + lo with hi in [-8, 7] and lo in
-    [0, 15], so d * q = 16d * hi + d * lo: two int4 planes with the same codes, no requantization. The
-    planes sit side by side along K and x is repeated, [x | x] @ [W_hi | W_lo]^T, so one kernel call sums
-    both (measured for the 49152 x 576 LM head, 1 thread: 1.9 ms, vs 2.2 ms for two calls and 1.8 ms for
-    a requantized per-channel int8 head with 3x the error)."""
+    [0, 15], so d * q = 16d * hi + d * lo: two int4 planes with the same codes, no requantization (a
+    requantized per-channel int8 head measured 1.8 ms against the planes' 1.9, with 3x the error)."""
 
     def __init__(self, w: Int8Weight, device: torch.device) -> None:
         super().__init__()
@@ -354,9 +366,23 @@ class Int8GroupAsInt4PlanesCPU(nn.Module):
         planes = Int4Weight(codes, torch.cat([16 * d, d], dim=1), torch.cat([-128 * d, torch.zeros_like(d)], dim=1))
         self.planes = Int4GroupCPU(planes, device)
 
-    def bind(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        planes = self.planes.bind()
-        return lambda x: planes(torch.cat([x, x], dim=1))
+
+class Int5GroupAsInt4PlanesCPU(Int4PlanesCPU):
+    """Grouped int5 (GGUF Q5_K) on the int4 kernel, exact in codes: q = 16 * hi + lo with hi in {0, 1} and lo
+    in [0, 15], so d * q + m = 16d * hi + (d * lo + m). The kernel rounds the scales 16d and d and the zero
+    points to bfloat16, as for Q4_K (tests/test_gguf_kquants.py measures the output's error)."""
+
+    def __init__(self, w: Int5Weight, device: torch.device) -> None:
+        super().__init__()
+        n, k = w.shape
+        codes = torch.empty(n, 2 * k, dtype=torch.uint8)  # (N, 2K): [hi | lo]
+        for start in range(0, n, PACK_ROWS):
+            q = w.q[start:start + PACK_ROWS]
+            codes[start:start + PACK_ROWS, :k] = q >> 4
+            codes[start:start + PACK_ROWS, k:] = q & 0x0F
+        d = w.scale  # (N, K/g)
+        planes = Int4Weight(codes, torch.cat([16 * d, d], dim=1), torch.cat([torch.zeros_like(d), w.min], dim=1))
+        self.planes = Int4GroupCPU(planes, device)
 
 
 class Int4GroupCUDA(nn.Module):
@@ -425,6 +451,9 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel("cpu-int8-as-int4-planes", "cpu",
            lambda w: isinstance(w, Int8Weight) and w.group_size in (32, 64, 128, 256),
            Int8GroupAsInt4PlanesCPU, {"copy": 4, "on-the-fly": 32}),  # type: ignore[arg-type]
+    Kernel("cpu-int5-as-int4-planes", "cpu",  # as the Q8_0 planes: the same two-plane cost
+           lambda w: isinstance(w, Int5Weight) and w.group_size in (32, 64, 128, 256),
+           Int5GroupAsInt4PlanesCPU, {"copy": 4, "on-the-fly": 32}),  # type: ignore[arg-type]
     Kernel("cuda-int4pack", "cuda",
            lambda w: (isinstance(w, Int4Weight) and w.group_size in (32, 64, 128, 256) and w.shape[1] % 32 == 0
                       and w.shape[0] % 8 == 0 and _has_kernel("_weight_int4pack_mm", "cuda")),
@@ -469,8 +498,8 @@ class DequantizeOnTheFly(nn.Module):
         codes = ((w.q[:, 0::2] | (w.q[:, 1::2] << 4)) if self.int4 else w.q).contiguous()
         self.register_buffer("codes", codes.to(device))
         self.register_buffer("scale", w.scale.to(device=device, dtype=dtype).unsqueeze(-1))  # (N, K/g, 1)
-        offset = w.min.to(device=device, dtype=dtype).unsqueeze(-1) if isinstance(w, Int4Weight) else None
-        self.register_buffer("offset", offset)  # (N, K/g, 1); None for int8 (symmetric)
+        offset = w.min.to(device=device, dtype=dtype).unsqueeze(-1) if not isinstance(w, Int8Weight) else None
+        self.register_buffer("offset", offset)  # (N, K/g, 1); None for int8 (symmetric); int5 codes one a byte
 
     def weight(self, packed: nn.Module | None = None) -> torch.Tensor:
         q = unpack_nibbles(self.codes) if self.int4 else self.codes  # (N, K)
@@ -495,7 +524,7 @@ class DequantizeFromPacked(nn.Module):
         self.dtype, self.layout = dtype, layout
 
     def weight(self, packed: nn.Module | None) -> torch.Tensor:
-        planes = isinstance(packed, Int8GroupAsInt4PlanesCPU)  # [W_hi | W_lo] along K: d * q = 16d * hi + d * lo
+        planes = isinstance(packed, Int4PlanesCPU)  # [W_hi | W_lo] along K, summed
         source = packed.planes if planes else packed  # type: ignore[union-attr]
         w = dequantize_int4pack(source.packed, source.scales_and_zeros, source.group_size, self.layout, planes)
         w = w[:self.num_out]  # (N, K), a transposed view when the kernel made W^T
@@ -513,7 +542,8 @@ DENSE_PATHS: dict[str, type[DenseCopy] | type[DequantizeOnTheFly]] = {
 
 def reads_packed(kernel: Kernel | None, num_out: int) -> bool:
     """Whether on-the-fly dequantizes from this kernel's own buffers (no second copy of the codes)."""
-    return kernel is not None and kernel.name in ("cpu-int4pack", "cpu-int8-as-int4-planes") and \
+    return kernel is not None and kernel.name in ("cpu-int4pack", "cpu-int8-as-int4-planes",
+                                                  "cpu-int5-as-int4-planes") and \
         int4pack_layout(num_out + -num_out % 16) is not None
 
 

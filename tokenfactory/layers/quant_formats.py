@@ -1,6 +1,6 @@
-"""Quantized weights as plain data: the int8 and int4 formats, quantizing float weights into them, and
-mapping GGUF's Q8_0 / Q4_0 / Q4_1 blocks and the Q4_K / Q6_K K-quants onto them without a round trip through
-float.
+"""Quantized weights as plain data: the int8 and int4 formats (and int5 for GGUF's Q5_K), quantizing float
+weights into them, and mapping GGUF's Q8_0 / Q4_0 / Q4_1 blocks and the Q4_K / Q5_K / Q6_K K-quants onto them
+without a round trip through float.
 
 Two canonical formats, device-independent, whatever kernel later runs them (quant.py packs them for one):
 
@@ -89,7 +89,35 @@ class Int4Weight:
         return (groups * self.scale.unsqueeze(-1) + self.min.unsqueeze(-1)).view(n, k)
 
 
-QuantizedWeight = Int8Weight | Int4Weight
+@dataclass(frozen=True)
+class Int5Weight:
+    """w[n, k] = q[n, k] * scale[n, g] + min[n, g] with q in [0, 31] (GGUF Q5_K's form, groups of 32). No
+    kernel takes 5-bit codes; quant.py runs it as two int4 planes, q = 16 * hi + lo with hi in {0, 1}."""
+
+    q: torch.Tensor  # (N, K) uint8 in [0, 31]
+    scale: torch.Tensor  # (N, K // group_size) float32
+    min: torch.Tensor  # (N, K // group_size) float32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)  # type: ignore[return-value]
+
+    @property
+    def group_size(self) -> int:
+        return self.q.shape[1] // self.scale.shape[1]
+
+    @property
+    def format_name(self) -> str:
+        return f"int5-g{self.group_size}"
+
+    def dequantize(self) -> torch.Tensor:
+        """(N, K) float32."""
+        n, k = self.shape
+        groups = self.q.view(n, -1, self.group_size).float()  # (N, K/g, g)
+        return (groups * self.scale.unsqueeze(-1) + self.min.unsqueeze(-1)).view(n, k)
+
+
+QuantizedWeight = Int8Weight | Int4Weight | Int5Weight
 
 
 def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
@@ -101,8 +129,8 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
         return None
     if isinstance(first, Int8Weight):
         return Int8Weight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
-    return Int4Weight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
-                      torch.cat([p.min for p in parts]))  # type: ignore[union-attr]
+    return type(first)(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                       torch.cat([p.min for p in parts]))  # type: ignore[union-attr]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -200,9 +228,11 @@ def q4_1_to_int4(blocks: np.ndarray, shape: tuple[int, ...]) -> Int4Weight:
 #                                             w = (d * sc) * q - (dmin * m)     -> int4, groups of 32
 #   Q6_K: ql[128] | qh[64] | scales[16] int8 | d: 16 sub-blocks of 16, q = low 4 bits | 2 high bits << 4
 #                                             w = (d * scale) * (q - 32)        -> int8, groups of 16
-# d * sc (an 11-bit mantissa times a 6- or 8-bit integer) is exact in float32, so both dequantize to the
-# very values gguf.quants gives. Q5_K (5-bit codes with mins) has no exact counterpart in these formats: it
-# stays dense (or is requantized when a scheme is asked for), as do Q2_K, Q3_K and the IQ types.
+#   Q5_K: d | dmin | scales[12] (as Q4_K) | qh[32] | qs[128] (as Q4_K): sub-block s's code is its 4 low bits
+#         (qs, as Q4_K) plus 16 times bit s of qh[l]      w = (d * sc) * q - (dmin * m)  -> int5, groups of 32
+# d * sc (an 11-bit mantissa times a 6- or 8-bit integer) is exact in float32, so all three dequantize to the
+# very values gguf.quants gives. Q2_K, Q3_K and the IQ types have no exact counterpart here: they stay dense
+# (or are requantized when a scheme is asked for).
 QK_K = 256
 
 
@@ -226,6 +256,22 @@ def q4_k_to_int4(blocks: np.ndarray, shape: tuple[int, ...]) -> Int4Weight:
     return Int4Weight(codes, scale, offset)
 
 
+def q5_k_to_int5(blocks: np.ndarray, shape: tuple[int, ...]) -> Int5Weight:
+    from gguf.quants import Q4_K  # the same 6-bit scale/min packing as Q4_K
+
+    n, k = shape
+    b = _k_blocks(blocks, shape, 176)
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)  # (B, 1)
+    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = Q4_K.get_scale_min(b[:, 4:16])  # (B, 8) each
+    qh = b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)  # (B, 8, 32)
+    ql = b[:, 48:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    codes = (ql.reshape(-1, 8, 32) & 0x0F) | ((qh & 0x01) << 4)  # sub-block order, as Q4_K
+    scale = torch.from_numpy((d * sc.astype(np.float32)).reshape(n, k // 32))
+    offset = torch.from_numpy(-(dmin * m.astype(np.float32)).reshape(n, k // 32))
+    return Int5Weight(torch.from_numpy(codes.reshape(n, k)), scale, offset)
+
+
 def q6_k_to_int8(blocks: np.ndarray, shape: tuple[int, ...]) -> Int8Weight:
     n, k = shape
     b = _k_blocks(blocks, shape, 210)
@@ -239,13 +285,14 @@ def q6_k_to_int8(blocks: np.ndarray, shape: tuple[int, ...]) -> Int8Weight:
     return Int8Weight(torch.from_numpy(q.reshape(n, k)), torch.from_numpy(scale.reshape(n, k // 16)))
 
 
-# ggml type name -> (exact mapping, the row length it needs). Other types (Q5_K, Q2_K, Q3_K, IQ*, ...) have
+# ggml type name -> (exact mapping, the row length it needs). Other types (Q2_K, Q3_K, IQ*, ...) have
 # no exact counterpart here: they stay dequantized, or are requantized when a scheme is asked for.
 GGUF_TYPE_TO_FORMAT: dict[str, tuple[Callable[[np.ndarray, tuple[int, ...]], QuantizedWeight], int]] = {
     "Q8_0": (q8_0_to_int8, GGUF_BLOCK),
     "Q4_0": (q4_0_to_int4, GGUF_BLOCK),
     "Q4_1": (q4_1_to_int4, GGUF_BLOCK),
     "Q4_K": (q4_k_to_int4, QK_K),
+    "Q5_K": (q5_k_to_int5, QK_K),
     "Q6_K": (q6_k_to_int8, QK_K),
 }
 

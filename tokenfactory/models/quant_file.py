@@ -76,7 +76,9 @@ def plan_file(loaded: LoadedModel, scheme_name: str) -> tuple[dict[str, Quantize
     if scheme.keeps_source and not exact:
         raise ValueError(f"{loaded.path} has no quantized tensors that map onto int8/int4 (a {loaded.format} "
                          f"model), so 'auto' has nothing to keep; pick int8 or int4")
-    quantized = {n: w for n, w in exact.items() if n in loaded.weights or n == "lm_head.weight"}
+    # The file's formats are int8 and int4: a GGUF's Q5_K (int5) layers are written as float (or requantized).
+    quantized = {n: w for n, w in exact.items() if (n in loaded.weights or n == "lm_head.weight")
+                 and isinstance(w, Int4Weight | Int8Weight)}
     if scheme.quantize is not None:
         tied = loaded.config.tie_word_embeddings
         names = linear_tensor_names(loaded.config)
