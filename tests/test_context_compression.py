@@ -1,6 +1,7 @@
 """Context compression, opt-in (#18): a chat past the context has its oldest turns replaced by a summary the
 serving model writes; the system prompt and the latest turns stay; the answer says what was done
-(`usage.compressed_prompt_tokens`), and the summary is its own metered ledger row for the same tenant.
+(`usage.compressed_prompt_tokens`), and the summary is its own metered ledger row for the same tenant. A
+tenant's default (set with `tokenfactory tenants`) applies when the request does not say.
 Unit tests of the policy, then the real gateway (HTTP, admission, meter, SQLite ledger, the openai client)
 over the fake engine (byte-level tokens, a 512-token context), then the real server on the bundled model."""
 
@@ -111,6 +112,64 @@ def test_over_http_the_summary_is_reported_and_metered_to_the_tenant(gw):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="fake-tiny", messages=long_chat(), max_tokens=16,
                                        extra_body={"context_compression": {"summary_tokens": 1}})
+
+
+def test_a_tenants_default_applies_when_the_request_does_not_say(tmp_path):
+    # Set with the CLI on the gateway's own database, read per request through the tenant's key, over HTTP.
+    from tokenfactory.cli import main as cli_main
+
+    gw = start_gateway(FakeEngineClient(step_s=0.001, max_model_len=512), tmp_path / "data", auth=True)
+    try:
+        d = ["--data-dir", str(tmp_path / "data")]
+        assert cli_main(["tenants", "add", "acme", "--context-compression", '{"summary_tokens": 24}', *d]) == 0
+        assert cli_main(["tenants", "add", "plain", *d]) == 0
+        assert cli_main(["tenants", "add", "bad", "--context-compression", '{"mode": "shrink"}', *d]) == 2
+        acme = openai.OpenAI(base_url=gw.url + "/v1", api_key=gw.store.create_key("acme")[0], max_retries=0,
+                             timeout=30)
+        reply = acme.chat.completions.create(model="fake-tiny", messages=long_chat(), max_tokens=16)
+        usage = reply.usage.model_extra
+        assert usage["compressed_prompt_tokens"] > 0 and 0 < usage["compression_summary_tokens"] <= 24
+        summary = next(r for r in gw.ledger_rows() if r["request_id"] == usage["compression_summary_request_id"])
+        assert summary["tenant"] == "acme"
+        # The request's own field wins, "off" included: refused as without any default.
+        with pytest.raises(openai.BadRequestError) as e:
+            acme.chat.completions.create(model="fake-tiny", messages=long_chat(), max_tokens=16,
+                                         extra_body={"context_compression": {"mode": "off"}})
+        assert e.value.body["param"] == "prompt"
+        plain = openai.OpenAI(base_url=gw.url + "/v1", api_key=gw.store.create_key("plain")[0], max_retries=0,
+                              timeout=30)
+        with pytest.raises(openai.BadRequestError):  # no default: refused, as before
+            plain.chat.completions.create(model="fake-tiny", messages=long_chat(), max_tokens=16)
+        # `update` sets and removes it; the next request sees the change.
+        assert cli_main(["tenants", "update", "plain", "--context-compression", "summarize", *d]) == 0
+        assert gw.store.get_tenant("plain").context_compression == '{"mode": "summarize"}'
+        assert cli_main(["tenants", "update", "plain", "--context-compression", '{"summary_tokens": 24}', *d]) == 0
+        assert plain.chat.completions.create(model="fake-tiny", messages=long_chat(), max_tokens=16
+                                             ).usage.model_extra["compressed_prompt_tokens"] > 0
+        assert cli_main(["tenants", "update", "plain", "--context-compression", "none", *d]) == 0
+        assert gw.store.get_tenant("plain").context_compression is None
+    finally:
+        gw.stop()
+
+
+def test_an_older_tenants_table_gains_the_column(tmp_path):
+    # A database made before the column existed: opening the store adds it; its tenants keep no default.
+    import sqlalchemy as sa
+
+    from tokenfactory.tenants.store import Tenant, TenantStore
+
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 'old.db'}")
+    with engine.begin() as conn:
+        conn.execute(sa.text("CREATE TABLE tenants (name VARCHAR(128) PRIMARY KEY, priority VARCHAR(16) NOT NULL, "
+                             "weight FLOAT NOT NULL, rpm INTEGER, tpm INTEGER, max_concurrency INTEGER, "
+                             "budget_amount FLOAT, budget_unit VARCHAR(8), budget_period VARCHAR(8), "
+                             "created_at DATETIME NOT NULL)"))
+        conn.execute(sa.text("INSERT INTO tenants VALUES ('old', 'standard', 1.0, NULL, NULL, NULL, NULL, NULL, "
+                             "NULL, '2026-01-01 00:00:00')"))
+    store = TenantStore(engine)
+    assert store.get_tenant("old").context_compression is None
+    store.add_tenant(Tenant("new", context_compression='{"mode": "summarize"}'))
+    assert store.get_tenant("new").context_compression == '{"mode": "summarize"}'
 
 
 @pytest.mark.slow

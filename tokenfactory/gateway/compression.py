@@ -10,7 +10,9 @@ handler as the request (`Handler.serve`), so it is admitted, metered and written
 row for the same tenant (request id `<id>-summary`), joules included. The response says what happened:
 `usage.compressed_prompt_tokens` (tokens of the turns that were replaced), `usage.compression_summary_tokens`
 (the summary's completion tokens) and the summary request's id. Without the option (or `"mode": "off"`) a
-chat past the context is refused as before, with a 400 naming `prompt` (or `max_tokens`).
+chat past the context is refused as before, with a 400 naming `prompt` (or `max_tokens`). A tenant may have a
+default (`tokenfactory tenants add|update NAME --context-compression summarize`), used when the request has
+no `context_compression` field; a request's own field, `{"mode": "off"}` included, always wins.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tokenfactory.tenants.store import Tenant
 from tokenfactory.types import ParameterError
 
 SUMMARY_INSTRUCTION = ("Summarize the conversation below in a few sentences. Keep names, numbers, decisions "
@@ -54,6 +57,20 @@ class Compression:
         return {"compressed_prompt_tokens": self.compressed_prompt_tokens,
                 "compression_summary_tokens": self.summary_tokens,
                 "compression_summary_request_id": self.summary_request_id}
+
+
+def request_options(body_options: CompressionOptions | None, tenant: Tenant) -> CompressionOptions | None:
+    """The request's own `context_compression`, else its tenant's default, else None (compression off)."""
+    if body_options is not None:
+        return body_options
+    if tenant.context_compression is None:
+        return None
+    try:
+        return CompressionOptions.model_validate_json(tenant.context_compression)
+    except ValueError as e:  # kept by an older version, or edited by hand: say whose setting it is
+        raise ParameterError("context_compression", f"tenant {tenant.name}'s context_compression default is "
+                             f"not valid ({e.errors()[0]['msg'] if hasattr(e, 'errors') else e}); fix it with "
+                             "`tokenfactory tenants update`") from e
 
 
 Tokenize = Callable[[list[dict]], Awaitable[int]]  # messages -> prompt tokens with the chat template
@@ -122,15 +139,15 @@ def read_summary(body: bytes) -> tuple[str, dict[str, Any], str]:
 
 
 async def compress_chat(handler: Any, served: Any, body: Any, messages: list[dict], max_tokens: int | None,
-                        request: Any) -> Compression | None:  # noqa: ANN401 - Handler, Served, request types
+                        request: Any, options: CompressionOptions) -> Compression | None:  # noqa: ANN401
     """The glue `Handler.chat` calls: the context limit from the served model, token counts with its chat
-    template (in a worker thread), and the summary as an ordinary request through `Handler.serve`."""
+    template (in a worker thread), and the summary as an ordinary request through `Handler.serve`.
+    (Any: Handler, Served and the request, which live above this module.)"""
     import asyncio
     import uuid
 
     from tokenfactory.gateway.protocol import ChatCompletionRequest
 
-    options: CompressionOptions = body.context_compression
     info = served.engine.info
     reply = max_tokens if max_tokens is not None else options.summary_tokens
     if reply >= info.max_model_len:

@@ -25,7 +25,7 @@ from tokenfactory.gateway.accounting import Accounting
 from tokenfactory.gateway.admin import Tenancy
 from tokenfactory.gateway.admission import Reservation
 from tokenfactory.gateway.batch import BatchSettings
-from tokenfactory.gateway.compression import compress_chat
+from tokenfactory.gateway.compression import compress_chat, request_options
 from tokenfactory.gateway.errors import APIError
 from tokenfactory.gateway.metrics import ServerMetrics
 from tokenfactory.gateway.protocol import (
@@ -153,8 +153,10 @@ class Handler:
         text, ids = await asyncio.to_thread(self.chat_prompt, messages, body.add_generation_prompt,
                                             served.engine.tokenizer)
         compression = None
-        if body.context_compression is not None:  # opt-in: the oldest turns summarized if the chat won't fit
-            compression = await compress_chat(self, served, body, messages, max_tokens, request)
+        # Opt-in, by the request or its tenant's default: the oldest turns summarized if the chat won't fit.
+        options = request_options(body.context_compression, self.tenancy.principal(request).tenant)
+        if options is not None:
+            compression = await compress_chat(self, served, body, messages, max_tokens, request, options)
             if compression is not None:
                 text, ids = await asyncio.to_thread(self.chat_prompt, compression.messages,
                                                     body.add_generation_prompt, served.engine.tokenizer)

@@ -33,6 +33,9 @@ def add_limit_args(p: argparse.ArgumentParser, defaults: bool) -> None:
     p.add_argument("--tpm", type=int, default=None, help="model tokens per minute (prompt + max_tokens, settled)")
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at once")
     p.add_argument("--budget", default=None, help="e.g. 50USD/month, 2MJ/month, 10Mtok/day ('none' to remove)")
+    p.add_argument("--context-compression", default=None,
+                   help="the default for chat requests that do not say: summarize, off, a JSON object as the "
+                        "request's context_compression field ('{\"summary_tokens\": 128}'), or none to remove")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -43,7 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_limit_args(p, defaults=True)
     add_store_args(p)
     p.set_defaults(func=tenants_add)
-    p = sub.add_parser("update", help="change a tenant's priority, weight, limits or budget")
+    p = sub.add_parser("update", help="change a tenant's priority, weight, limits, budget or compression default")
     p.add_argument("name")
     add_limit_args(p, defaults=False)
     for name in ("rpm", "tpm", "max-concurrency"):
@@ -99,6 +102,7 @@ def _open(args: argparse.Namespace):  # noqa: ANN202 - (TenantStore, Ledger)
 def tenant_dict(t: Any) -> dict[str, Any]:
     return {"name": t.name, "priority": t.priority, "weight": t.weight, "rpm": t.rpm, "tpm": t.tpm,
             "max_concurrency": t.max_concurrency, "budget": t.budget.describe() if t.budget else None,
+            "context_compression": t.context_compression,
             "created_at": t.created_at.isoformat() if t.created_at else None}
 
 
@@ -130,13 +134,23 @@ def _budget(text: str | None):  # noqa: ANN202 - Budget | None
     return None if text is None or text.lower() == "none" else Budget.parse(text)
 
 
+def _compression(text: str | None) -> str | None:
+    """--context-compression's value as the JSON a tenant keeps (None: no default)."""
+    if text is None or text.lower() == "none":
+        return None
+    if text.lower() in ("summarize", "off"):
+        return json.dumps({"mode": text.lower()})
+    return text
+
+
 def tenants_add(args: argparse.Namespace) -> int:
     from tokenfactory.tenants.store import Tenant
 
     store, ledger = _open(args)
     try:
         tenant = store.add_tenant(Tenant(args.name, args.priority, args.weight, args.rpm, args.tpm,
-                                         args.max_concurrency, _budget(args.budget)))
+                                         args.max_concurrency, _budget(args.budget),
+                                         context_compression=_compression(args.context_compression)))
     finally:
         ledger.close()
     emit([tenant_dict(tenant)], args.format)
@@ -151,9 +165,11 @@ def tenants_update(args: argparse.Namespace) -> int:
             changes[name] = None
     if args.budget is not None:
         changes["budget"] = _budget(args.budget)
+    if args.context_compression is not None:
+        changes["context_compression"] = _compression(args.context_compression)
     if not changes:
         raise ParameterError("tenants update", "nothing to change: give --priority, --weight, --rpm, --tpm, "
-                             "--max-concurrency, --budget or a --no-... flag")
+                             "--max-concurrency, --budget, --context-compression or a --no-... flag")
     store, ledger = _open(args)
     try:
         tenant = store.update_tenant(args.name, **changes)

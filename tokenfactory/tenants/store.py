@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import hmac
+import json
 import re
 import secrets
 from dataclasses import dataclass, fields, replace
@@ -46,6 +47,9 @@ tenants_table = sa.Table(
     sa.Column("budget_unit", sa.String(8), nullable=True),  # usd | joules | tokens
     sa.Column("budget_period", sa.String(8), nullable=True),  # day | month (UTC)
     sa.Column("created_at", sa.DateTime, nullable=False),
+    # The default `context_compression` of the tenant's chat requests (JSON, the request field's shape); NULL:
+    # none. Added after the table first shipped: TenantStore adds the column to an older database.
+    sa.Column("context_compression", sa.String(512), nullable=True),
 )
 
 api_keys_table = sa.Table(
@@ -118,6 +122,9 @@ class Tenant:
     max_concurrency: int | None = None
     budget: Budget | None = None
     created_at: dt.datetime | None = None
+    # JSON object in the request's `context_compression` shape, used when a chat request does not say (e.g.
+    # '{"mode": "summarize", "summary_tokens": 256}'); the gateway validates the whole (gateway/compression.py).
+    context_compression: str | None = None
 
     def __post_init__(self) -> None:
         if not _NAME.fullmatch(self.name):
@@ -131,10 +138,30 @@ class Tenant:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ParameterError(name, f"{name} must be >= 1 (or unset for no limit), got {value}")
+        if self.context_compression is not None:
+            check_compression_default(self.context_compression)
 
     @property
     def band(self) -> int:
         return BANDS[self.priority]
+
+
+COMPRESSION_KEYS = {"mode": str, "model": str, "summary_tokens": int}
+
+
+def check_compression_default(text: str) -> None:
+    """A tenant's context-compression default: a JSON object of the request field's keys, or ParameterError."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict) or len(text) > 512 or any(
+            k not in COMPRESSION_KEYS or not isinstance(v, COMPRESSION_KEYS[k] | None) for k, v in value.items()):
+        raise ParameterError("context_compression", "context_compression must be a JSON object of mode "
+                             f"(off | summarize), model and summary_tokens, got {text!r}")
+    if value.get("mode", "summarize") not in ("off", "summarize"):
+        raise ParameterError("context_compression", f"context_compression mode must be off or summarize, "
+                             f"got {value['mode']!r}")
 
 
 @dataclass(frozen=True)
@@ -186,14 +213,25 @@ def _tenant_from_row(row: Any, prefix: str = "") -> Tenant:
     budget = Budget(get("budget_amount"), get("budget_unit"), get("budget_period")) \
         if get("budget_amount") is not None else None
     return Tenant(get("name"), get("priority"), get("weight"), get("rpm"), get("tpm"), get("max_concurrency"),
-                  budget, get("created_at"))
+                  budget, get("created_at"), get("context_compression"))
 
 
 def _tenant_values(t: Tenant) -> dict[str, Any]:
     b = t.budget
     return {"name": t.name, "priority": t.priority, "weight": t.weight, "rpm": t.rpm, "tpm": t.tpm,
             "max_concurrency": t.max_concurrency, "budget_amount": b.amount if b else None,
-            "budget_unit": b.unit if b else None, "budget_period": b.period if b else None}
+            "budget_unit": b.unit if b else None, "budget_period": b.period if b else None,
+            "context_compression": t.context_compression}
+
+
+def add_missing_columns(engine: sa.Engine, table: sa.Table) -> None:
+    """Columns added to `table` since an existing database was made (nullable ones only): ALTER TABLE ADD."""
+    have = {c["name"] for c in sa.inspect(engine).get_columns(table.name)}
+    with engine.begin() as conn:
+        for column in table.columns:
+            if column.name not in have and column.nullable:
+                kind = column.type.compile(dialect=engine.dialect)
+                conn.execute(sa.text(f'ALTER TABLE {table.name} ADD COLUMN "{column.name}" {kind}'))
 
 
 class TenantStore:
@@ -202,6 +240,7 @@ class TenantStore:
     def __init__(self, engine: sa.Engine) -> None:
         self.engine = engine
         metadata.create_all(engine, tables=[tenants_table, api_keys_table])
+        add_missing_columns(engine, tenants_table)
 
     @classmethod
     def open(cls, data_dir: str | None = None, url: str | None = None) -> tuple[TenantStore, Ledger]:
