@@ -95,9 +95,14 @@ def test_the_start_up_check_counts_the_quantized_bytes(tiny, monkeypatch):
     load_checked(serve_args(*common, "--quantization", "int4", "--quantization-dense", "on-the-fly"))
     with pytest.raises(PreflightError, match="The weights need"):
         load_checked(serve_args(*common, "--quantization", "none"))
-    # int4 with its dense copy needs more than the float model: the check says so and names on-the-fly.
+    # int4 with its dense copy needs more than the float model: asked for, the check says so and names on-the-fly;
+    # by default (auto) the server starts on-the-fly instead.
     with pytest.raises(PreflightError, match="--quantization-dense on-the-fly keeps only codes and scales"):
-        load_checked(serve_args(*common, "--quantization", "int4"))
+        load_checked(serve_args(*common, "--quantization", "int4", "--quantization-dense", "copy"))
+    config, _ = load_checked(serve_args(*common, "--quantization", "int4"))
+    assert config.quantization_dense == "on-the-fly"
+    monkeypatch.setattr(memory, "free_memory_bytes", lambda device: 10 * full)  # room for the copy: kept
+    assert load_checked(serve_args(*common, "--quantization", "int4"))[0].quantization_dense == "copy"
 
 
 def test_the_default_kv_budget_is_a_share_of_what_the_weights_leave():

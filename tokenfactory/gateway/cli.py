@@ -49,9 +49,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "present: the default, right where compute is short) or seats (only the seats it needs)")
     p.add_argument("--quantization", default="auto",
                    help="weights: auto (a GGUF keeps its own quantization), none, int8, int4, int4-g64, ...")
-    p.add_argument("--quantization-dense", default="copy", choices=["copy", "on-the-fly"],
-                   help="quantized layers' large steps: copy (keep a dequantized copy: fast batches, more memory) "
-                        "or on-the-fly (codes and scales only)")
+    p.add_argument("--quantization-dense", default="auto", choices=["auto", "copy", "on-the-fly"],
+                   help="quantized layers' large steps: copy (keep a dequantized copy: fast batches, more memory), "
+                        "on-the-fly (the packed codes only, dequantized per large step), or auto (the default: "
+                        "copy where it fits, else on-the-fly)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--single-thread-step-tokens", type=int, default=None,
                    help="run steps of at most this many tokens on one CPU thread (0: off; default: what the machine "
@@ -82,12 +83,18 @@ def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201 - EngineC
                         batch_min_share=getattr(args, "batch_share", 0.1),
                         batch_yield=getattr(args, "batch_yield", "share"),
                         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
-                        quantization_dense=getattr(args, "quantization_dense", "copy"),
+                        quantization_dense=dense_path(getattr(args, "quantization_dense", "copy")),
                         quantization=args.quantization,
                         single_thread_step_tokens=getattr(args, "single_thread_step_tokens", None),
                         machine_profile=getattr(args, "machine_profile", "auto"),
                         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                         scheduling_policy=scheduling_policy(args))
+
+
+def dense_path(flag: str) -> str:
+    """--quantization-dense as the engine takes it: "auto" starts as the copy; the start-up check
+    (`load_checked`) switches it to on-the-fly when only that fits."""
+    return "copy" if flag == "auto" else flag
 
 
 def scheduling_policy(args: argparse.Namespace) -> str:
@@ -278,13 +285,25 @@ def load_checked(args: argparse.Namespace):  # noqa: ANN201 - (EngineConfig, Loa
     # The bytes the weights will take once placed and quantized (--quantization, its dense copy counted), and
     # the KV budget as the engine will size it: a share of what is free after them (#18).
     weights = planned_weight_bytes(loaded, config, device, dtype)
-    lean = planned_weight_bytes(loaded, dataclasses.replace(config, quantization_dense="on-the-fly"), device, dtype)
+    lean_config = dataclasses.replace(config, quantization_dense="on-the-fly")
+    lean = planned_weight_bytes(loaded, lean_config, device, dtype)
     free = free_memory_bytes(device)
-    findings = preflight(loaded.config, device=str(device), dtype_bytes=dtype_bytes,
+
+    def check(weights_bytes: int) -> list:
+        return preflight(loaded.config, device=str(device), dtype_bytes=dtype_bytes,
                          max_model_len=config.max_model_len or loaded.config.max_position_embeddings,
-                         kv_cache_bytes=kv_budget_after_weights(config.kv_cache_memory, device, free, weights),
-                         free_memory_bytes=free, max_num_seqs=config.max_num_seqs, weights_bytes=weights,
+                         kv_cache_bytes=kv_budget_after_weights(config.kv_cache_memory, device, free, weights_bytes),
+                         free_memory_bytes=free, max_num_seqs=config.max_num_seqs, weights_bytes=weights_bytes,
                          kv_cache_dtype=config.kv_cache_dtype, weights_bytes_without_copy=lean)
+
+    findings = check(weights)
+    has_errors = any(f.severity == "error" for f in findings)
+    if has_errors and lean < weights and getattr(args, "quantization_dense", "copy") == "auto":
+        lean_findings = check(lean)  # memory is short: the packed codes alone, if that fits
+        if not any(f.severity == "error" for f in lean_findings):
+            logger.info("pre-flight: the quantized layers' dense copy does not fit (%.0f MB of weights with it); "
+                        "serving with --quantization-dense on-the-fly (%.0f MB)", weights / 1e6, lean / 1e6)
+            config, findings = lean_config, lean_findings
     for finding in findings:
         if finding.severity != "error":
             logger.info("pre-flight: %s", finding.message)
