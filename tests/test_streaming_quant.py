@@ -55,6 +55,33 @@ def test_planned_bytes_on_the_bundled_gguf(bundled, scheme, dense):
     assert engine.quant_summary.num_quantized_layers == 4 * bundled.config.num_layers + 1
 
 
+@pytest.mark.parametrize("scheme,precision", [("int8", "int8"), ("int4", "int4-g32"), ("int4-g64", "int4-g64")])
+@pytest.mark.parametrize("dense", ["copy", "on-the-fly"])
+def test_the_planner_counts_the_engines_bytes(tiny, scheme, precision, dense):
+    # `tokenfactory plan`'s engine figure and the start-up check share one accounting (layers/weight_bytes.py).
+    from tokenfactory.planner.memory import engine_weight_bytes
+    from tokenfactory.planner.modelsrc import ModelSpec
+
+    config = EngineConfig(quantization=scheme, quantization_dense=dense, dtype="bfloat16")
+    planned = planned_weight_bytes(tiny, config, torch.device("cpu"), torch.bfloat16)
+    spec = ModelSpec(tiny.config, "config.json", str(tiny.path))
+    assert engine_weight_bytes(spec, precision, "cpu", dense) == planned
+    assert engine_weight_bytes(spec, "bf16", "cpu", dense) is None
+
+
+def test_the_shape_rules_are_the_kernels():
+    from tokenfactory.engine.placement import _meta_weight
+    from tokenfactory.layers.quant import pick_kernel
+    from tokenfactory.layers.weight_bytes import kernel_for
+
+    cpu = torch.device("cpu")
+    for kind, n, k, group in [("int8", 96, 128, 128), ("int8", 24, 40, 40), ("int8", 64, 256, 16),
+                              ("int8", 64, 256, 32), ("int4", 40, 256, 32), ("int4", 96, 256, 128),
+                              ("int5", 64, 256, 32)]:
+        kernel = pick_kernel(_meta_weight(kind, n, k, group), cpu)
+        assert kernel_for(kind, n, k, group, "cpu") == (kernel.name if kernel else None), (kind, n, k, group)
+
+
 def test_the_placed_model_computes_what_the_whole_one_did(tiny):
     # Placing layer by layer changes no number: int4 and none engines agree with a reference built whole.
     from tests.reference import hf_model_from_loaded

@@ -41,6 +41,7 @@ from tokenfactory.layers.quant_formats import (
     RawGGUFTensors,
     concat_rows,
 )
+from tokenfactory.layers.weight_bytes import layer_bytes
 from tokenfactory.models.llama import MODEL_REGISTRY, LlamaForCausalLM
 from tokenfactory.models.loader import LoadedModel
 from tokenfactory.progress import track
@@ -128,31 +129,17 @@ def _meta_weight(kind: str, n: int, k: int, group: int) -> QuantizedWeight:
                      torch.empty(n, k // group, **meta))
 
 
-def _packed_bytes(kernel: str, w: QuantizedWeight) -> int:
-    """Bytes of the packed module `kernel` builds for w (the buffers of layers/quant.py's kernel classes)."""
-    n, k = w.shape
-    groups = k // w.group_size
-    padded = n + -n % 16
-    return {"cpu-int8pack": n * k + 2 * n,  # int8 codes, a bf16 scale per row
-            "cpu-int4pack": padded * k // 2 + groups * padded * 4,  # two codes a byte, bf16 scale and zero
-            "cpu-int8-as-int4-planes": padded * k + 2 * groups * padded * 4,  # two int4 planes along 2K
-            "cpu-int5-as-int4-planes": padded * k + 2 * groups * padded * 4,
-            "cuda-int4pack": n * k // 2 + groups * n * 4}[kernel]
+def _format(w: QuantizedWeight) -> str:
+    return "int8" if isinstance(w, Int8Weight) else "int5" if isinstance(w, Int5Weight) else "int4"
 
 
 def _quantized_bytes(w: QuantizedWeight, device: torch.device, dense: str, dtype_bytes: int) -> int:
+    """layers/weight_bytes.py's accounting, with the kernel this engine really picks (and whether on-the-fly
+    reads its buffers: the probed pack layout)."""
     n, k = w.shape
     kernel = pick_kernel(w, device)
-    packed = _packed_bytes(kernel.name, w) if kernel else 0
-    if dense == "copy":
-        return packed + n * k * dtype_bytes
-    if reads_packed(kernel, n):  # on-the-fly dequantizes from the int4 kernel's own buffers
-        return packed
-    int4, with_min = isinstance(w, Int4Weight), not isinstance(w, Int8Weight)
-    # On-the-fly keeps int4 codes two a byte (int5 one a byte); int8 codes are the int8 kernel's own tensor
-    # when it has one.
-    codes = n * k // 2 if int4 else (0 if kernel is not None and kernel.name == "cpu-int8pack" else n * k)
-    return packed + codes + (2 if with_min else 1) * n * (k // w.group_size) * dtype_bytes
+    return layer_bytes(_format(w), n, k, w.group_size, kernel.name if kernel else None, dense, dtype_bytes,
+                       reads_packed(kernel, n))
 
 
 def _planned_formats(loaded: LoadedModel, scheme: str, paths: dict[str, list[str]],

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tokenfactory.layers.weight_bytes import kernel_for, layer_bytes
 from tokenfactory.planner.hardware import Hardware
 from tokenfactory.planner.modelsrc import ModelSpec
 from tokenfactory.planner.precision import Precision, parse_precision, precision_for_bytes
@@ -44,6 +45,27 @@ def resolve_weights(model: ModelSpec, precision: str | None = None) -> Weights:
     embedding = model.embedding_params * p.embedding_bytes_per_param
     tied = model.config.tie_word_embeddings
     return Weights(p, linear + embedding, linear + (embedding if tied else 0.0), p.name)
+
+
+def engine_weight_bytes(model: ModelSpec, precision: str | None, device_kind: str, dense: str,
+                        dtype_bytes: int = 2) -> int | None:
+    """The bytes tokenfactory's engine keeps for `model` requantized to `precision` (int8, int4, int4-gG) on
+    a `device_kind` card ("cpu" or "gpu", laid out as CUDA), from the shapes with the engine's own accounting
+    (layers/weight_bytes.py, what the start-up check counts: packed kernels, and the dense copy when `dense`
+    is "copy"); the embedding and norms stay in the model's dtype. None for any other precision."""
+    if precision is None or not precision.startswith(("int8", "int4")):
+        return None
+    p = parse_precision(precision)
+    cfg = model.config
+    h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    shapes = [(q + 2 * kv, h), (h, q), (2 * inter, h), (h, inter)] * cfg.num_layers + [(cfg.vocab_size, h)]
+    device = "cpu" if device_kind == "cpu" else "cuda"
+    total = 0
+    for n, k in shapes:
+        fmt, group = ("int8", k) if p.bits == 8 else ("int4", p.group_size)
+        total += layer_bytes(fmt, n, k, group, kernel_for(fmt, n, k, group, device), dense, dtype_bytes)
+    bias = (q + 2 * kv) * cfg.num_layers if cfg.attention_bias else 0
+    return total + (cfg.vocab_size * h + (2 * cfg.num_layers + 1) * h + bias) * dtype_bytes
 
 
 def _gguf_weights(model: ModelSpec) -> Weights:

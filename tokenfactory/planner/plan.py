@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 from tokenfactory.planner.catalog import Catalog, Device
 from tokenfactory.planner.cost import CostEstimate, FleetPlan, Prices, estimate_cost, fleet_for_demand
 from tokenfactory.planner.hardware import Hardware, hardware_from_catalog
-from tokenfactory.planner.memory import MemoryPlan, Weights, plan_memory, resolve_weights
+from tokenfactory.planner.memory import MemoryPlan, Weights, engine_weight_bytes, plan_memory, resolve_weights
 from tokenfactory.planner.modelsrc import ModelSpec
 from tokenfactory.planner.perf import StepEstimate, StepModel, Workload
 from tokenfactory.planner.precision import parse_kv_dtype
@@ -92,6 +92,9 @@ class Plan:
     alternatives: tuple[Alternative, ...] = ()
     recommendations: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    # int8/int4: what tokenfactory's engine keeps for these weights on this kind of card, by its own accounting
+    # (the start-up check's): with the dense copy for large steps, and on-the-fly. None for other precisions.
+    engine_weights_bytes: tuple[int, int] | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -139,11 +142,17 @@ def make_plan(request: PlanRequest, catalog: Catalog | None = None) -> Plan:
     plan = Plan(request=req, weights=weights, kv_dtype_bytes=kv_bytes, memory=memory, effective_batch=batch,
                 decode=decode, serving=serving, prefill=steps.prefill(wl.prompt_tokens),
                 crossover_batch=steps.crossover_batch(wl.mean_context_tokens), fleet=None, cost=None,
-                notes=tuple(notes))
+                notes=tuple(notes), engine_weights_bytes=_engine_weights(req))
     plan = _with_fleet_and_cost(plan)
     if catalog is not None:
         plan = replace(plan, alternatives=tuple(compare_devices(req, catalog)))
     return replace(plan, recommendations=tuple(recommend(plan)))
+
+
+def _engine_weights(req: PlanRequest) -> tuple[int, int] | None:
+    kind = req.hardware.device.kind
+    copy, lean = (engine_weight_bytes(req.model, req.precision, kind, dense) for dense in ("copy", "on-the-fly"))
+    return None if copy is None or lean is None else (copy, lean)
 
 
 def _batch_sizes(concurrency: int, kv_limit: int) -> tuple[int, ...]:

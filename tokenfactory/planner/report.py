@@ -51,7 +51,9 @@ def _memory(plan: Plan) -> str:
         f"{plan.request.model.config.num_kv_heads} KV heads x {plan.request.model.config.head_dim} x "
         f"{plan.kv_dtype_bytes} B)",
         f"  fits             {fits}",
-    ])
+    ] + ([f"  our engine       {gib(plan.engine_weights_bytes[0]):>12}  of weights with its dense copy for large "
+          f"steps, {gib(plan.engine_weights_bytes[1])} on-the-fly (--quantization-dense; all cards)"]
+         if plan.engine_weights_bytes else []))
 
 
 def _speed(plan: Plan) -> str:
@@ -144,6 +146,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "prefill": plan.prefill.to_dict(),
         "ttft_s": plan.ttft_s, "tpot_s": plan.tpot_s, "tokens_per_s": plan.tokens_per_s,
         "fleet": plan.fleet.to_dict() if plan.fleet else None,
+        "engine_weights_bytes": ({"copy": plan.engine_weights_bytes[0], "on-the-fly": plan.engine_weights_bytes[1]}
+                                 if plan.engine_weights_bytes else None),
         "cost": plan.cost.to_dict() if plan.cost else None,
         "alternatives": [dict(a.__dict__) for a in plan.alternatives],
         "recommendations": list(plan.recommendations),
