@@ -66,20 +66,15 @@ def job_ids(path: Path, content: bytes) -> tuple[str, str]:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from tokenfactory.engine.async_engine import AsyncEngine
-    from tokenfactory.engine.memory import resolve_device
-    from tokenfactory.gateway.cli import build_accounting, load_checked, make_engine, served_name
+    from tokenfactory.gateway.cli import launch_checked, served_name
 
     source = Path(args.input)
     content = source.read_bytes()  # FileNotFoundError: the cli's "error: ..." and status 2
     endpoint = args.endpoint or first_url(content)
     if endpoint not in ("/v1/chat/completions", "/v1/completions"):
         raise ValueError(f"the lines' url is {endpoint!r}; batch run takes /v1/chat/completions or /v1/completions")
-    config, loaded = load_checked(args)
+    engine, loaded, (accounting, power, _) = launch_checked(args)
     name = served_name(str(loaded.path), args.served_model_name)
-    accounting, power, _ = build_accounting(args, loaded.config, resolve_device(config.device).type, name)
-    engine = AsyncEngine.launch(lambda: make_engine(config, loaded, [accounting.meter.on_step],
-                                                    getattr(args, "threads", None)))
     try:
         totals = asyncio.run(_run_job(args, engine, accounting, name, source, content, endpoint))
     finally:

@@ -357,16 +357,32 @@ class Started:
     autoscaling: Any = None  # gateway/autoscale.py's Autoscaling, with --autoscaler
 
 
-def start_engine(args: argparse.Namespace) -> Started:
-    """One engine in this process: built, warmed up and stepped on one thread (AsyncEngine.launch says why)."""
+def launch_checked(args: argparse.Namespace) -> tuple[Any, Any, tuple[Any, str, str]]:
+    """(AsyncEngine, LoadedModel, build_accounting's (accounting, power, prices)) for one engine in this process.
+    Everything that touches torch — loading, the pre-flight, building, warming up, stepping — runs on the engine
+    thread: a parallel region run first on another thread (the pre-flight's int4 layout probe was one) leaves
+    the engine thread's OpenMP team stalling against it, and halved single-stream decode (106.7 -> 45 tok/s
+    served; scripts/engine_thread_probe.py)."""
     from tokenfactory.engine.async_engine import AsyncEngine
     from tokenfactory.engine.memory import resolve_device
 
-    config, loaded = load_checked(args)
+    made: dict[str, Any] = {}
+
+    def build():  # noqa: ANN202 - LLMEngine
+        config, loaded = load_checked(args)
+        name = served_name(str(loaded.path), args.served_model_name)
+        made["loaded"] = loaded
+        made["accounting"] = build_accounting(args, loaded.config, resolve_device(config.device).type, name)
+        return make_engine(config, loaded, [made["accounting"][0].meter.on_step], getattr(args, "threads", None))
+
+    client = AsyncEngine.launch(build)
+    return client, made["loaded"], made["accounting"]
+
+
+def start_engine(args: argparse.Namespace) -> Started:
+    """One engine in this process: loaded, checked, built, warmed up and stepped on one thread (launch_checked)."""
+    client, loaded, (accounting, power, prices) = launch_checked(args)
     name = served_name(str(loaded.path), args.served_model_name)
-    accounting, power, prices = build_accounting(args, loaded.config, resolve_device(config.device).type, name)
-    client = AsyncEngine.launch(lambda: make_engine(config, loaded, [accounting.meter.on_step],
-                                                    getattr(args, "threads", None)))
     engine, cap = client.engine, client.engine.capacity
     banner = [f"  model   {engine.model_path}",
               f"  device  {engine.device} ({str(engine.dtype).removeprefix('torch.')}), "
