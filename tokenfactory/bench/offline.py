@@ -30,6 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: the bundled model)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default="auto", help="weights: auto (a GGUF's own blocks), none, int8, int4")
+    p.add_argument("--quantization-dense", default="copy", choices=["copy", "on-the-fly"],
+                   help="quantized layers' large steps: a kept dense copy, or dequantized per call")
     p.add_argument("--machine-profile", default="auto", choices=["auto", "remeasure", "off"],
                    help="the engine's measured kernel crossovers and thread policy (off: built-in constants)")
     p.add_argument("--num-requests", type=int, default=128)
@@ -80,7 +82,8 @@ def run_engine(args: argparse.Namespace) -> tuple[dict[str, Any], list[tuple[lis
 
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                                     max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
-                                    quantization=args.quantization, machine_profile=args.machine_profile))
+                                    quantization=args.quantization, machine_profile=args.machine_profile,
+                                    quantization_dense=args.quantization_dense))
     engine.warmup()
     workload = make_workload(args.num_requests, _range(args.prompt_len), _range(args.output_len),
                              engine.model_config.vocab_size, args.seed)

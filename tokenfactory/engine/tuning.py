@@ -41,13 +41,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenfactory.engine.placement import release_freed_memory
 from tokenfactory.layers.quant import QuantizedLinear
 from tokenfactory.types import ParameterError
 
 logger = logging.getLogger(__name__)
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: dense paths named by their class (on-the-fly from the packed codes is its own group)
 MODES = ("auto", "remeasure", "off")
+DENSE_NAMES = {"DenseCopy": "copy", "DequantizeOnTheFly": "on-the-fly", "DequantizeFromPacked": "from-packed"}
 ROWS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 THREAD_ROWS = (1, 2, 4, 8)
 MAX_LAYERS_PER_GROUP = 30
@@ -163,7 +165,7 @@ def layer_groups(model: nn.Module) -> dict[str, list[QuantizedLinear]]:
     groups: dict[str, list[QuantizedLinear]] = {}
     for module in model.modules():
         if isinstance(module, QuantizedLinear) and module.packed is not None:
-            dense = "copy" if hasattr(module.dense, "dense") else "on-the-fly"
+            dense = DENSE_NAMES.get(type(module.dense).__name__, type(module.dense).__name__)
             name = (f"{module.format_name} via {module.kernel_name}, {module.out_features}x{module.in_features}, "
                     f"{dense}")
             groups.setdefault(name, []).append(module)
@@ -243,6 +245,7 @@ def measure(model: nn.Module, key: dict[str, Any]) -> MachineProfile:
         crossovers = [c for c, _ in measured]
         apply(model, MachineProfile(key, "", 0.0, crossovers, None))
         threads, threads_stable = measure_threads(model) if torch.get_num_threads() > 1 else (None, True)
+    release_freed_memory()  # the timing runs' outputs and dequantized weights: not the server's steady memory
     elapsed = time.perf_counter() - start
     stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     stable = threads_stable and all(ok for _, ok in measured)
