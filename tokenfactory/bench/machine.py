@@ -58,6 +58,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="results/bench-machine.json")
 
 
+def shown(command: list[str], model_path: Path) -> str:
+    """The command as a reader reruns it: our interpreter as `python`, other engines by name, the model as
+    MODEL.gguf, the loopback port as PORT (this machine's paths and a free port mean nothing elsewhere)."""
+    words = ["python" if w == sys.executable else w for w in command]
+    words = [Path(w).name if i == 0 and "/" in w else w for i, w in enumerate(words)]
+    words = ["MODEL" + model_path.suffix if w == str(model_path) else w for w in words]
+    return " ".join("PORT" if i and words[i - 1] == "--port" else w for i, w in enumerate(words))
+
+
 def parse_levels(text: str) -> list[tuple[int, int]]:
     levels = []
     for item in text.split(","):
@@ -150,7 +159,7 @@ def measure_served(args: argparse.Namespace, name: str, levels: list[tuple[int, 
     try:
         problem = server.wait_ready(url, sargs.startup_timeout)
         if problem is not None:
-            return {"command": shlex.join(command), "error": problem, "levels": []}
+            return {"command": shown(command, model_path), "error": problem, "levels": []}
         tokenizer = load_tokenizer(model_path)
         rows, profile = [], None
         for clients, requests in levels:
@@ -159,7 +168,7 @@ def measure_served(args: argparse.Namespace, name: str, levels: list[tuple[int, 
             profile = profile or run.environment.get("server", {}).get("machine_profile")
             rows.append({"clients": clients, "requests": requests, "status": run.status,
                          **{k: run.figures.get(k) for k in FIGURES}})
-        return {"command": shlex.join(command), "levels": rows, "machine_profile": profile}
+        return {"command": shown(command, model_path), "levels": rows, "machine_profile": profile}
     finally:
         server.stop()
 

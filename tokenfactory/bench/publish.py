@@ -121,12 +121,13 @@ def machine_section(m: dict[str, Any]) -> str:
            f"{facts['tokenfactory_version']}; measured {m['time']} by `tokenfactory bench machine` "
            f"(docs/results/machine-{slug(facts['cpu'])}.json).", ""]
     if off:
-        out += [f"Offline (`{off['command']}`, {off['quantization']} weights, {off['dtype']}): "
+        out += [f"Offline (`{off['command']}`; weights `--quantization {off['quantization']}`, {off['dtype']}): "
                 f"**{_num(off['throughput_tok_s'])}** output tok/s over {off['num_requests']} mixed requests, "
                 f"single-stream decode **{_num(off['single_stream_decode_tok_s'])}** tok/s.", ""]
     out += ["| clients | requests | engine | output tok/s | TTFT p50 / p99 | TPOT p50 | J / output token | RSS peak |",
             "|---|---|---|---|---|---|---|---|"]
-    for name, engine in m["served"].items():
+    served = sorted(m["served"].items(), key=lambda kv: kv[0] != "tokenfactory")  # ours first
+    for name, engine in served:
         for r in engine.get("levels", []):
             joules = (f"{r['joules_per_output_token']:.3f} ({r['energy_source']})"
                       if r.get("joules_per_output_token") is not None else "–")
@@ -137,7 +138,7 @@ def machine_section(m: dict[str, Any]) -> str:
                        f"| {_num(r['median_ttft_ms'], 0)} / {_num(r['p99_ttft_ms'], 0)} ms "
                        f"| {_num(r['median_tpot_ms'])} ms | {joules} | {rss} |")
     out.append("")
-    for name, engine in m["served"].items():
+    for name, engine in served:
         out.append(f"- {name}: `{engine['command']}`")
     single = goals.get("served_single_stream")
     if single:
@@ -146,7 +147,8 @@ def machine_section(m: dict[str, Any]) -> str:
                    f"({'met' if single['met'] else 'NOT met'}: within 10%)")
     for key, lead in goals.items():
         if key.startswith("lead_over_"):
-            ratios = ", ".join(f"{c} clients {v}x" for c, v in lead["ratio_by_clients"].items())
+            ratios = ", ".join(f"{c} clients {v}x" for c, v in sorted(lead["ratio_by_clients"].items(),
+                                                                       key=lambda kv: int(kv[0])))
             verdict = "met" if lead["met"] else "NOT met"
             out.append(f"- lead over {key.removeprefix('lead_over_')}: {ratios} ({verdict})")
     if m.get("skipped"):
