@@ -117,3 +117,25 @@ def test_the_module_runs_as_a_program():
                              "RTX-4090", "--json"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["memory"]["fits"] is True
+
+
+def test_plan_fits_with_our_engines_bytes_when_asked(capsys):
+    """--engine tokenfactory: what fits is decided with the engine's own int4 accounting (the start-up check's),
+    with the dense copy where it fits and on-the-fly where only that does, as `serve --quantization-dense auto`."""
+    def plan(*extra, max_len="4096"):
+        code, out, _ = run(capsys, "plan", "Llama-3.1-8B", "--precision", "int4-g32", "--max-model-len", max_len,
+                           "--json", *extra)
+        assert code == 0
+        return json.loads(out)
+
+    reference = plan("--device", "h100")
+    ours = plan("--device", "h100", "--engine", "tokenfactory")
+    copy, lean = ours["engine_weights_bytes"]["copy"], ours["engine_weights_bytes"]["on-the-fly"]
+    assert reference["memory"]["weights_bytes"] < lean < copy
+    assert ours["memory"]["weights_bytes"] == copy and ours["memory"]["fits"]  # 80 GB holds the copy
+    assert ours["memory"]["kv_cache_bytes"] < reference["memory"]["kv_cache_bytes"]
+    # A 24 GB card with a 32k context holds the codes and the KV cache, not the copy too: on-the-fly.
+    small = plan("--device", "RTX-4090", "--engine", "tokenfactory", max_len="32768")
+    assert small["memory"]["weights_bytes"] == small["engine_weights_bytes"]["on-the-fly"] and small["memory"]["fits"]
+    with pytest.raises(SystemExit):
+        main(["plan", "Llama-3.1-8B", "--device", "h100", "--engine", "vllm"])

@@ -55,6 +55,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_plan_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", default="reference", choices=["reference", "tokenfactory"],
+                   help="whose weight bytes decide what fits: reference (each weight once, in its format) or "
+                        "tokenfactory (our engine's int8/int4 accounting, as serve's start-up check counts it)")
     p.add_argument("--concurrency", type=int, default=64, help="concurrent sequences (max_num_seqs)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (activations)")
     p.add_argument("--prompt-tokens", type=float, default=512, help="mean prompt length")
@@ -178,7 +181,7 @@ def _make_plan(args: argparse.Namespace, catalog: Any, model: Any, hw: Any, prec
         workload=Workload(args.prompt_tokens, args.output_tokens),
         demand=Demand(args.tokens_per_day, args.window_hours) if args.tokens_per_day is not None else None,
         slo=SLO(args.ttft_slo, args.tpot_slo), tokens_per_second=args.tokens_per_second,
-        batch_sizes=batch_sizes)
+        batch_sizes=batch_sizes, engine=args.engine)
     return make_plan(request, catalog)
 
 

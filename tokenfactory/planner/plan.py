@@ -15,6 +15,7 @@ from tokenfactory.planner.recommend import recommend
 
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
 TP_COUNTS = (1, 2, 4, 8)
+ENGINES = ("reference", "tokenfactory")
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,10 @@ class PlanRequest:
     slo: SLO = field(default_factory=SLO)
     tokens_per_second: float | None = None  # measured per-replica speed, overrides the model
     batch_sizes: tuple[int, ...] | None = None
+    # Whose weight bytes decide what fits: "reference" (the format's own size, what an engine that keeps each
+    # weight once holds) or "tokenfactory" (our engine's accounting for int8/int4, as serve's start-up check
+    # counts it: the dense copy where it fits, else on-the-fly, as `--quantization-dense auto` chooses).
+    engine: str = "reference"
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -58,6 +63,8 @@ class PlanRequest:
             raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
 
     @property
     def resolved_max_model_len(self) -> int:
@@ -117,13 +124,32 @@ class Plan:
         return self.serving.seconds if self.serving else None
 
 
+def fitted_memory(req: PlanRequest, hw: Hardware) -> tuple[Weights, MemoryPlan]:
+    """The weights as `req.engine` keeps them on `hw`, and the memory plan they leave."""
+    weights = resolve_weights(req.model, req.precision)
+    kv_bytes = parse_kv_dtype(req.kv_dtype, weights.precision)
+
+    def memory(w: Weights) -> MemoryPlan:
+        return plan_memory(hw, req.model, w, kv_bytes, req.resolved_max_model_len, req.concurrency,
+                           req.max_num_batched_tokens)
+
+    ours = _engine_weights(req, hw) if req.engine == "tokenfactory" else None
+    if ours is None:
+        return weights, memory(weights)
+    copy, lean = ours
+    with_copy = replace(weights, total_bytes=copy, label=f"{weights.label}, tokenfactory with its dense copy")
+    plan = memory(with_copy)
+    if plan.fits:
+        return with_copy, plan
+    lean_weights = replace(weights, total_bytes=lean, label=f"{weights.label}, tokenfactory on-the-fly")
+    return lean_weights, memory(lean_weights)
+
+
 def make_plan(request: PlanRequest, catalog: Catalog | None = None) -> Plan:
     """The whole plan; `catalog` enables the 'a different card?' comparison."""
     req, model, hw = request, request.model, request.hardware
-    weights = resolve_weights(model, req.precision)
+    weights, memory = fitted_memory(req, hw)
     kv_bytes = parse_kv_dtype(req.kv_dtype, weights.precision)
-    memory = plan_memory(hw, model, weights, kv_bytes, req.resolved_max_model_len, req.concurrency,
-                         req.max_num_batched_tokens)
     steps = StepModel(hw, model, weights, kv_bytes)
     wl = req.workload
     final_len = wl.prompt_tokens + wl.output_tokens
@@ -142,15 +168,15 @@ def make_plan(request: PlanRequest, catalog: Catalog | None = None) -> Plan:
     plan = Plan(request=req, weights=weights, kv_dtype_bytes=kv_bytes, memory=memory, effective_batch=batch,
                 decode=decode, serving=serving, prefill=steps.prefill(wl.prompt_tokens),
                 crossover_batch=steps.crossover_batch(wl.mean_context_tokens), fleet=None, cost=None,
-                notes=tuple(notes), engine_weights_bytes=_engine_weights(req))
+                notes=tuple(notes), engine_weights_bytes=_engine_weights(req, hw))
     plan = _with_fleet_and_cost(plan)
     if catalog is not None:
         plan = replace(plan, alternatives=tuple(compare_devices(req, catalog)))
     return replace(plan, recommendations=tuple(recommend(plan)))
 
 
-def _engine_weights(req: PlanRequest) -> tuple[int, int] | None:
-    kind = req.hardware.device.kind
+def _engine_weights(req: PlanRequest, hw: Hardware) -> tuple[int, int] | None:
+    kind = hw.device.kind
     copy, lean = (engine_weight_bytes(req.model, req.precision, kind, dense) for dense in ("copy", "on-the-fly"))
     return None if copy is None or lean is None else (copy, lean)
 
@@ -177,12 +203,9 @@ def _with_fleet_and_cost(plan: Plan) -> Plan:
 def min_cards(request: PlanRequest, device: Device, catalog: Catalog) -> tuple[Hardware, MemoryPlan] | None:
     """The smallest tensor-parallel group of `device` that holds the weights and one max_model_len
     sequence, with the catalog's default factors; None if even 8 cards are not enough."""
-    weights = resolve_weights(request.model, request.precision)
-    kv_bytes = parse_kv_dtype(request.kv_dtype, weights.precision)
     for count in TP_COUNTS:
         hw = hardware_from_catalog(catalog, device, count)
-        mem = plan_memory(hw, request.model, weights, kv_bytes, request.resolved_max_model_len,
-                          request.concurrency, request.max_num_batched_tokens)
+        _, mem = fitted_memory(request, hw)
         if mem.fits:
             return hw, mem
     return None
