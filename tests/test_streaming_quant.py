@@ -208,7 +208,7 @@ def test_a_gguf_loads_streaming_too(dense):
     assert got["opened"] < got["num_params"] * 4 // 4, got  # opening the file reads the header, not the weights
     assert got["peak"] <= got["weights"] + got["kv"] + 3 * embedding_fp32 + 160 * MiB, got
     if dense == "on-the-fly":
-        assert got["peak"] < got["num_params"] * 4, got  # under the float32 model alone
+        assert got["peak"] - got["opened"] < got["num_params"] * 4, got  # loading never held the float32 model
         assert got["steady"] <= got["weights"] + got["kv"] + 160 * MiB, got  # the file's pages are let go
 
 

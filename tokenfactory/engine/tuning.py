@@ -23,6 +23,7 @@ Measure on a quiet machine: the profile is what the engine then believes.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -197,6 +198,13 @@ def load_or_measure(model: nn.Module, device: torch.device, mode: str = "auto") 
         return None
     key = profile_key(model, device)
     path = profile_path(key)
+    # Replicas starting together on one machine take turns: the first measures (alone, not against the others)
+    # and caches; the rest read what it found, so they run the same kernel choices.
+    with _measuring_lock(path):
+        return _load_or_measure(model, key, path, mode)
+
+
+def _load_or_measure(model: nn.Module, key: dict[str, Any], path: Path, mode: str) -> MachineProfile:
     if mode == "auto" and path.is_file():
         try:
             profile = MachineProfile.from_json(json.loads(path.read_text()), path)
@@ -211,6 +219,23 @@ def load_or_measure(model: nn.Module, device: torch.device, mode: str = "auto") 
                        "using them for this run, not caching them: the next start measures again", MAX_PASSES)
         return profile
     return replace(profile, path=str(path)) if _save(profile, path) else profile
+
+
+@contextmanager
+def _measuring_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock beside the profile's file (none where the cache cannot be created)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = path.with_suffix(".lock").open("a")
+    except OSError:
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _save(profile: MachineProfile, path: Path) -> bool:
