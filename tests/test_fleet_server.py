@@ -58,13 +58,13 @@ def test_one_endpoint_over_local_replicas_and_an_external_server(fleet, backend)
     client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="unused", max_retries=0)
     assert [m.id for m in client.models.list().data] == [MODEL]
 
-    async def many() -> list[str]:
-        aclient = openai.AsyncOpenAI(base_url=fleet.url + "/v1", api_key="unused", max_retries=0)
-        rs = await asyncio.gather(*[aclient.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=12, temperature=0)
-            for _ in range(9)])
-        return [r.choices[0].message.content for r in rs]
-    answers = asyncio.run(many())
+    # One at a time, so every replica decodes its request alone: with the machine profile's crossovers a step of
+    # 5+ sequences may take the dense path where a lone one takes the packed kernel, and greedy answers differ
+    # by that rounding between batch sizes (as in any engine that is not batch-invariant). Idle replicas tie,
+    # and least-work sends ties round: each of the three serves three.
+    answers = [client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=12,
+        temperature=0).choices[0].message.content for _ in range(9)]
     assert len(set(answers)) == 1 and answers[0]  # greedy: the same answer whichever replica served it
     rows = ledger(fleet)
     assert {r["replica"] for r in rows} == {"p0", "p1", "b0"}

@@ -57,6 +57,7 @@ MAX_LAYERS_PER_GROUP = 30
 ONE_THREAD_GAIN = 1.10  # one thread must be this much faster to be chosen: a tie keeps all threads
 MAX_PASSES = 4  # timings are repeated until a pass lowers no minimum by more than STEADY_TOLERANCE
 STEADY_TOLERANCE = 0.15
+UNSTEADY_KEEP_S = 600  # an unsteady profile is reused this long (replicas starting together), then measured again
 RELEVANT_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_bf16", "amx_int8", "amx_tile",
                   "avx_vnni", "fma", "f16c", "asimd", "sve", "sve2", "bf16", "i8mm")
 
@@ -98,7 +99,7 @@ class MachineProfile:
     threads: ThreadPolicy | None
     source: str = "measured"  # "measured" now, or "cached" (read from `path`)
     path: str | None = None
-    stable: bool = True  # False: the timings never settled (a busy machine); used for this run, never cached
+    stable: bool = True  # False: the timings never settled (a busy machine); reused only UNSTEADY_KEEP_S
 
     def to_json(self) -> dict[str, Any]:
         return {"version": PROFILE_VERSION, **asdict(self)}
@@ -127,7 +128,8 @@ class MachineProfile:
         k = self.key
         lines = [f"machine profile ({self.source} {self.measured_at}, {self.measure_s:.1f} s to measure"
                  + (f"; {self.path}" if self.path else "")
-                 + ("" if self.stable else "; timings unsteady: not cached, measure on a quiet machine") + ")",
+                 + ("" if self.stable else "; timings unsteady: measured again after "
+                                           f"{UNSTEADY_KEEP_S} s, measure on a quiet machine") + ")",
                  f"  cpu      {k.get('cpu')}  [{' '.join(k.get('flags', []))}]",
                  f"  torch    {k.get('torch')}, {k.get('threads')} threads"]
         for c in self.crossovers:
@@ -208,16 +210,17 @@ def _load_or_measure(model: nn.Module, key: dict[str, Any], path: Path, mode: st
     if mode == "auto" and path.is_file():
         try:
             profile = MachineProfile.from_json(json.loads(path.read_text()), path)
-            if profile.key == json.loads(json.dumps(key)):
+            fresh = profile.stable or time.time() - path.stat().st_mtime < UNSTEADY_KEEP_S
+            if profile.key == json.loads(json.dumps(key)) and fresh:
                 return profile
-            logger.warning("machine profile %s is for another machine or model; measuring again", path)
+            if profile.key != json.loads(json.dumps(key)):
+                logger.warning("machine profile %s is for another machine or model; measuring again", path)
         except (OSError, ValueError, KeyError, TypeError) as e:
             logger.warning("machine profile %s is unreadable (%s); measuring again", path, e)
     profile = measure(model, key)
-    if not profile.stable:
+    if not profile.stable:  # kept a while, so engines starting together still share one set of kernel choices
         logger.warning("machine profile: the timings did not settle in %d passes (is something else running?); "
-                       "using them for this run, not caching them: the next start measures again", MAX_PASSES)
-        return profile
+                       "using them, and a start more than %d s from now measures again", MAX_PASSES, UNSTEADY_KEEP_S)
     return replace(profile, path=str(path)) if _save(profile, path) else profile
 
 
