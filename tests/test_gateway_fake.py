@@ -283,7 +283,9 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_request_and_gets_an_abo
         first = next(line for line in lines if line.startswith("data: "))
         engine.pause()  # it is surely still running when the client leaves
         request_id = json.loads(first[6:])["id"]
-        assert engine.stats().num_running == 1 and gw.metric("tokenfactory:kv_cache_usage_perc") > 0
+        # (The fake's snapshot is taken after each step, so the first output can arrive before it says so.)
+        until(lambda: engine.stats().num_running == 1 and gw.metric("tokenfactory:kv_cache_usage_perc") > 0,
+              what="the request running in the snapshot")
         lines.close()
     until(lambda: engine.num_aborted == num_aborted + 1, what="the abort")
     assert engine.aborted_request_ids[-1].startswith(request_id)
