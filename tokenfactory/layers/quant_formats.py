@@ -61,14 +61,14 @@ class Int8Weight:
 
 
 @dataclass(frozen=True)
-class Int4Weight:
-    """w[n, k] = q[n, k] * scale[n, g] + min[n, g] with g = k // group_size and q in [0, 15] (GGUF Q4_1's
-    form; Q4_0's d * (q - 8) is min = -8d). Torch's int4 kernels want (q - 8) * scale + zero, i.e.
-    zero = min + 8 * scale, computed when packing."""
+class _AffineGroups:
+    """w[n, k] = q[n, k] * scale[n, g] + min[n, g] with g = k // group_size: the shape shared by Int4Weight and
+    Int5Weight, which differ only in the codes' range (and so in which kernel can take them)."""
 
-    q: torch.Tensor  # (N, K) uint8 in [0, 15], one code per byte (packed only on disk and in kernels)
+    q: torch.Tensor  # (N, K) uint8, one code per byte (packed only on disk and in kernels)
     scale: torch.Tensor  # (N, K // group_size) float32
     min: torch.Tensor  # (N, K // group_size) float32
+    bits_name = ""  # "int4" | "int5", set by the subclass
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -80,7 +80,7 @@ class Int4Weight:
 
     @property
     def format_name(self) -> str:
-        return f"int4-g{self.group_size}"
+        return f"{self.bits_name}-g{self.group_size}"
 
     def dequantize(self) -> torch.Tensor:
         """(N, K) float32."""
@@ -90,31 +90,19 @@ class Int4Weight:
 
 
 @dataclass(frozen=True)
-class Int5Weight:
-    """w[n, k] = q[n, k] * scale[n, g] + min[n, g] with q in [0, 31] (GGUF Q5_K's form, groups of 32). No
-    kernel takes 5-bit codes; quant.py runs it as two int4 planes, q = 16 * hi + lo with hi in {0, 1}."""
+class Int4Weight(_AffineGroups):
+    """q in [0, 15] (GGUF Q4_1's form; Q4_0's d * (q - 8) is min = -8d). Torch's int4 kernels want
+    (q - 8) * scale + zero, i.e. zero = min + 8 * scale, computed when packing."""
 
-    q: torch.Tensor  # (N, K) uint8 in [0, 31]
-    scale: torch.Tensor  # (N, K // group_size) float32
-    min: torch.Tensor  # (N, K // group_size) float32
+    bits_name = "int4"
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.q.shape)  # type: ignore[return-value]
 
-    @property
-    def group_size(self) -> int:
-        return self.q.shape[1] // self.scale.shape[1]
+@dataclass(frozen=True)
+class Int5Weight(_AffineGroups):
+    """q in [0, 31] (GGUF Q5_K's form, groups of 32). No kernel takes 5-bit codes; quant.py runs it as two int4
+    planes, q = 16 * hi + lo with hi in {0, 1}."""
 
-    @property
-    def format_name(self) -> str:
-        return f"int5-g{self.group_size}"
-
-    def dequantize(self) -> torch.Tensor:
-        """(N, K) float32."""
-        n, k = self.shape
-        groups = self.q.view(n, -1, self.group_size).float()  # (N, K/g, g)
-        return (groups * self.scale.unsqueeze(-1) + self.min.unsqueeze(-1)).view(n, k)
+    bits_name = "int5"
 
 
 QuantizedWeight = Int8Weight | Int4Weight | Int5Weight
