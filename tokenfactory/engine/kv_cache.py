@@ -21,7 +21,7 @@ entries are padding; attention never reads them (it starts at the window).
     token index:  0  1  2  3 | 4  5  6  7 | 8 ...
     block table:  [  pad 0   |    b2      |    b9  ...]     the first block is back in the pool
 
-Invariants (property-tested in tests/test_kv_cache.py and tests/test_sliding_window_blocks.py):
+Invariants (property-tested in tests/engine/test_kv_cache.py and tests/engine/test_sliding_window_blocks.py):
 - every block is either free (ref_count 0, in the free queue) or held (ref_count = number of sequences
   whose table holds it past its dropped entries);
 - a block appears in two tables only after a prefix-hash hit;

@@ -7,7 +7,7 @@
 So the peak while loading is the model placed so far plus one piece in flight (a layer, or the embedding:
 the checkpoint's float32 tensor, its cast, its quantized form), not
 the full-precision model next to the quantized one: `serve --quantization int4` loads a model that only fits
-once quantized (tests/test_streaming_quant.py measures the peak). What stays resident is exactly what the
+once quantized (tests/models/test_streaming_quant.py measures the peak). What stays resident is exactly what the
 quantized layers keep: packed codes and scales, plus the dense copy that `QuantOptions.dense == "copy"` keeps
 for large steps (the measured crossovers in layers/quant.py); `planned_weight_bytes` (below)
 counts the same bytes before anything loads, for the start-up check.
@@ -166,7 +166,7 @@ def _planned_formats(loaded: LoadedModel, scheme: str, paths: dict[str, list[str
 
 def planned_weight_bytes(loaded: LoadedModel, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> int:
     """The bytes `place_model` will keep for these settings (RoPE tables aside), from shapes alone: what the
-    start-up check compares with free memory before a byte is loaded. tests/test_streaming_quant.py holds it
+    start-up check compares with free memory before a byte is loaded. tests/models/test_streaming_quant.py holds it
     equal to the placed model's."""
     cfg, options = loaded.config, QuantOptions(dense=config.quantization_dense)
     dtype_bytes = torch.tensor([], dtype=dtype).element_size()

@@ -40,7 +40,7 @@ class PlannerCost:
     compute_s is 2·N FLOPs per token plus attention's pairs, the all-reduce wait is a fixed share of both, the
     host overhead a constant (planner/perf.py). So the coefficients are read off the planner once, at basis
     points, and each call is a dot product; the power is the planner's own `card_power_w` of the two times.
-    tests/test_simulator.py checks it equals `StepModel.step` everywhere it is used."""
+    tests/fleet/test_simulator.py checks it equals `StepModel.step` everywhere it is used."""
 
     def __init__(self, steps: object) -> None:
         self.steps = steps  # planner.perf.StepModel (typed loosely: the planner is imported lazily)

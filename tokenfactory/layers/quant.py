@@ -167,7 +167,7 @@ def plan_quantization(model: nn.Module, scheme: Scheme, sources: Mapping[str, Qu
             if all(p is not None for p in parts):
                 # A fused layer whose parts mix types (q/k Q4_K and v Q6_K in a K-quant "_M" file) has no one
                 # exact format: per-channel int8 of the parts' exact dequantization instead, rounding each weight
-                # by at most max|w[row]| / 254 (tests/test_gguf_kquants.py measures it), never to full size.
+                # by at most max|w[row]| / 254 (tests/models/test_gguf_kquants.py measures it), never to full size.
                 fused = concat_rows(parts) or quantize_int8(torch.cat([p.dequantize() for p in parts]))  # type: ignore[arg-type, union-attr]
                 plan[path] = fused
         elif scheme.quantize is not None:
@@ -370,7 +370,7 @@ class Int8GroupAsInt4PlanesCPU(Int4PlanesCPU):
 class Int5GroupAsInt4PlanesCPU(Int4PlanesCPU):
     """Grouped int5 (GGUF Q5_K) on the int4 kernel, exact in codes: q = 16 * hi + lo with hi in {0, 1} and lo
     in [0, 15], so d * q + m = 16d * hi + (d * lo + m). The kernel rounds the scales 16d and d and the zero
-    points to bfloat16, as for Q4_K (tests/test_gguf_kquants.py measures the output's error)."""
+    points to bfloat16, as for Q4_K (tests/models/test_gguf_kquants.py measures the output's error)."""
 
     def __init__(self, w: Int5Weight, device: torch.device) -> None:
         super().__init__()

@@ -9,7 +9,7 @@ Two canonical formats, device-independent, whatever kernel later runs them (quan
 
 `group == K` is per-output-channel (our "int8" scheme); GGUF blocks are groups of 32 along a row.
 Scales and mins are float32, which holds every float16 GGUF scale exactly, so a mapped block dequantizes
-to the very bits `gguf.quants.dequantize` gives (tests/test_quant_formats.py proves it per type).
+to the very bits `gguf.quants.dequantize` gives (tests/layers/test_quant_formats.py proves it per type).
 
 Our own quantizers pick scales (and int4 zero points) that are exact in bfloat16, because the packed CPU
 kernels take bfloat16 scales: what the kernel multiplies by is then exactly what the format says. GGUF's

@@ -1,13 +1,13 @@
 """The bytes a quantized linear layer keeps, from its shape alone, without torch: the one accounting behind
 engine/placement.py's `planned_weight_bytes` (the start-up check, held equal to the placed model's bytes by
-tests/test_streaming_quant.py) and the planner's engine figures (`tokenfactory plan`, which imports no torch).
+tests/models/test_streaming_quant.py) and the planner's engine figures (`tokenfactory plan`, which imports no torch).
 
     packed   the kernel's own buffers (layers/quant.py KERNELS), what a decode step reads
     copy     + the dequantized weight in the model's dtype, for large steps
     on-the-fly, from the packed buffer (CPU int4 kernels)   + nothing
     on-the-fly, codes apart (CUDA, int8 per channel, no kernel)   + the codes and scales in the model's dtype
 
-`kernel_for` restates KERNELS' shape rules (tests/test_streaming_quant.py checks it against `pick_kernel`);
+`kernel_for` restates KERNELS' shape rules (tests/models/test_streaming_quant.py checks it against `pick_kernel`);
 the engine itself asks `pick_kernel`, which also knows whether this torch has the CUDA kernel.
 """
 

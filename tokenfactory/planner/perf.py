@@ -13,7 +13,7 @@ Time. The roofline bound is max(memory_s, compute_s); the *expected* time adds t
     seconds = bytes / (BW * eff_bw) + FLOPs / (peak * eff_compute) + step_overhead,
 because an engine's kernels mostly run one after another, each limited by one resource, so memory
 and tensor-core time overlap little. The additive form reproduces published measurements across
-batch sizes (ML.ENERGY v3, tests/test_planner_published.py); the max form overestimates
+batch sizes (ML.ENERGY v3, tests/planner/test_planner_published.py); the max form overestimates
 throughput by 40-70% at large batches there. Both are reported; the step is "memory-bound" or
 "compute-bound" by which term is larger, and the crossover batch is where they are equal.
 

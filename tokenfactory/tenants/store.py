@@ -8,7 +8,7 @@ per-key salt are stored; the secret is shown once by `keys create` and never sto
 A presented key is found by its key_id and checked with hmac.compare_digest (constant time). Timing
 does not say whether a key_id exists: every presented key, well-formed or not, known or not, costs
 exactly one indexed query (the key joined to its tenant; a malformed key looks up the id "", which no
-key has), one HMAC and one compare_digest (tests/test_tenants.py counts them).
+key has), one HMAC and one compare_digest (tests/tenants/test_tenants.py counts them).
 Times are naive UTC, as in the ledger.
 """
 

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from tests.fake_engine import FAKE_MODEL_CONFIG
-from tests.test_dashboard import stats
+from tests.gateway.test_dashboard import stats
 from tokenfactory.engine.client import SpeculativeMetrics
 from tokenfactory.gateway.admission import Admission
 from tokenfactory.gateway.metrics import ServerMetrics
@@ -21,7 +21,7 @@ from tokenfactory.meter.ledger import Ledger
 from tokenfactory.meter.power import ConstantSource
 from tokenfactory.meter.prices import load_prices
 
-DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 RULES, RULE_TESTS = DEPLOY / "prometheus" / "alerts.yml", DEPLOY / "prometheus" / "alerts_test.yml"
 GRAFANA = DEPLOY / "grafana" / "tokenfactory.json"
 REQUIRED_ALERTS = {"TokenfactoryKVCacheNearFull", "TokenfactoryTTFTSLOBreach", "TokenfactoryJoulesPerTokenRegression",

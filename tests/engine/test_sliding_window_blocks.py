@@ -1,6 +1,6 @@
 """The block manager with a sliding window (#18), property-tested through the scheduler: blocks wholly
 before the window of a sequence's next token are back in the pool, the rest of the invariants of
-tests/test_kv_cache.py still hold (ref counts equal the live table entries, no leak after any add / step /
+tests/engine/test_kv_cache.py still hold (ref counts equal the live table entries, no leak after any add / step /
 abort / finish, sharing only through a prefix hit), and a released block that kept its hash is revived by a
 later prefix hit."""
 

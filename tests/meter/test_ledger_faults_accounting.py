@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from tests.test_ledger_faults import lock_held, wait_until
+from tests.meter.test_ledger_faults import lock_held, wait_until
 from tokenfactory.gateway.accounting import Accounting, AccountingConfig
 from tokenfactory.gateway.metrics import LedgerCollector
 from tokenfactory.meter.attribution import Meter, MeterConfig

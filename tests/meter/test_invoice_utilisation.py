@@ -6,7 +6,7 @@ import datetime as dt
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from tests.test_meter_attribution import MODEL, FakeClock
+from tests.meter.test_meter_attribution import MODEL, FakeClock
 from tokenfactory.gateway.metrics import MeterCollector
 from tokenfactory.meter.attribution import Meter, MeterConfig
 from tokenfactory.meter.ledger import Ledger

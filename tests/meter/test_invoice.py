@@ -10,9 +10,9 @@ import openai
 import pytest
 
 from tests.fake_engine import FakeEngineClient
+from tests.meter.test_invoice_utilisation import run_step
+from tests.meter.test_meter_attribution import MODEL, FakeClock
 from tests.server_util import start_gateway
-from tests.test_invoice_utilisation import run_step
-from tests.test_meter_attribution import MODEL, FakeClock
 from tokenfactory.cli import main
 from tokenfactory.meter.attribution import Meter, MeterConfig
 from tokenfactory.meter.invoice import make_invoice, month_range

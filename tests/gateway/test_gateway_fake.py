@@ -74,7 +74,7 @@ def test_models_health_and_a_torch_free_gateway(gw, client) -> None:
     assert httpx.get(gw.url + "/health").json() == {"status": "ok", "model": MODEL}
     code = ("import sys; import tests.fake_engine, tests.server_util, tokenfactory.gateway.app, "
             "tokenfactory.gateway.limits; assert 'torch' not in sys.modules, 'torch was imported'")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
 
 
 def test_completion_text_usage_energy_and_its_ledger_row(gw, client) -> None:

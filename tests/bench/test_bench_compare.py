@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from tests.bench.test_bench_serve import free_port, wait_healthy
 from tests.server_util import stop_process
-from tests.test_bench_serve import free_port, wait_healthy
 from tokenfactory.bench.results import load_runs
 from tokenfactory.cli import main as cli_main
 

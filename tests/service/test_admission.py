@@ -1,6 +1,6 @@
 """Admission without a server: token buckets, concurrency, budgets reserved then settled (hammered from
 threads), the ledger's spent-so-far, and the wording of each refusal. (Reservations, the fair queue gate
-and per-model rates: tests/test_admission_reservations.py.)"""
+and per-model rates: tests/service/test_admission_reservations.py.)"""
 
 from __future__ import annotations
 

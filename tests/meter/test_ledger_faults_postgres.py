@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.meter.test_ledger_faults import assert_each_once, wait_until
 from tests.postgres_util import PostgresCluster
-from tests.test_ledger_faults import assert_each_once, wait_until
 from tokenfactory.meter.ledger import Ledger, LedgerConfig, LedgerRow
 
 pytestmark = pytest.mark.slow

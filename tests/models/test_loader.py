@@ -237,7 +237,7 @@ def test_reference_model_matches_transformers_from_pretrained(tmp_path, arch):
 
 
 def test_hf_mistral_sliding_window_is_read(tmp_path, caplog):
-    # Honoured since #18 (tests/test_sliding_window*.py), so loading no longer warns about it.
+    # Honoured since #18 (tests/engine/test_sliding_window*.py), so loading no longer warns about it.
     folder = tiny_random_model_dir(tmp_path, "mistral")
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(config | {"sliding_window": 4096}))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_speculative import force_drafting
+from tests.engine.test_speculative import force_drafting
 from tokenfactory.bench.spec import workloads
 from tokenfactory.config import EngineConfig
 from tokenfactory.engine.async_engine import AsyncEngine
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
     before = torch.get_num_threads()
-    torch.set_num_threads(1)  # see tests/test_speculative.py: tokens, not speed
+    torch.set_num_threads(1)  # see tests/engine/test_speculative.py: tokens, not speed
     yield
     torch.set_num_threads(before)
 

@@ -7,7 +7,7 @@ seconds = base + per_seq · B + per_prefill_token · P, least squares; once on a
 the same fleet, once on the validated trace's own steps. The planner's first-principles model is for the devices
 in its catalog; on this shared 2-core CPU the measured line is the replica model.
 
-Run as a script for the closing note's figures: `.venv/bin/python -m tests.test_simulator_validation`.
+Run as a script for the closing note's figures: `.venv/bin/python -m tests.fleet.test_simulator_validation`.
 """
 
 from __future__ import annotations

@@ -289,8 +289,8 @@ def test_the_page_and_the_chart_library_ship_in_the_wheel():
     import tomllib
     from pathlib import Path
 
-    patterns = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["tool"]["setuptools"][
-        "package-data"]["tokenfactory"]
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    patterns = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["package-data"]["tokenfactory"]
     for name in ("dashboard.html", *STATIC_FILES):
         relative = f"gateway/static/{name}"
         assert (STATIC_DIR / name).is_file() and any(fnmatch.fnmatch(relative, p) for p in patterns), relative
