@@ -25,7 +25,10 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("services", ("tokenfactory.meter", "tokenfactory.tenants", "tokenfactory.planner", "tokenfactory.quality",
                   "tokenfactory.bench")),
     ("fleet", ("tokenfactory.fleet",)),
+    ("request service", ("tokenfactory.service",)),
     ("gateway", ("tokenfactory.gateway",)),
+    ("batch", ("tokenfactory.batch",)),
+    ("serve", ("tokenfactory.serve",)),
     ("cli", ("tokenfactory.cli",)),
 )
 

@@ -9,13 +9,13 @@ import sys
 
 # Subcommand modules, each exposing `register(subparsers: argparse._SubParsersAction) -> None`.
 COMMAND_MODULES: tuple[str, ...] = (
-    "tokenfactory.gateway.cli",  # serve
+    "tokenfactory.serve.cli",  # serve
     "tokenfactory.meter.cli",  # usage
     "tokenfactory.planner.cli",  # plan, doctor
     "tokenfactory.bench.cli",  # bench offline | serve | sweep | compare | report
     "tokenfactory.tenants.cli",  # tenants add|list|update|remove, keys create|list|revoke
     "tokenfactory.quality.cli",  # quantize, eval
-    "tokenfactory.gateway.batch_cli",  # batch run
+    "tokenfactory.serve.batch_run",  # batch run
     "tokenfactory.fleet.cli",  # simulate, fleet status
 )
 

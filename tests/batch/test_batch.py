@@ -16,8 +16,8 @@ import pytest
 
 from tests.fake_engine import SCRIPTS, FakeEngineClient
 from tests.server_util import Gateway, start_gateway
+from tokenfactory.batch.store import BatchStore, PendingLine, line_request_id
 from tokenfactory.engine.client import AddRequest
-from tokenfactory.meter.batch_store import BatchStore, PendingLine, line_request_id
 from tokenfactory.meter.ledger import Ledger
 from tokenfactory.tenants.store import Budget, Tenant
 from tokenfactory.types import BANDS

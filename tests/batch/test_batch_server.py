@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from tests.server_util import Server, start_server
-from tokenfactory.meter.batch_store import line_request_id
+from tokenfactory.batch.store import line_request_id
 
 pytestmark = pytest.mark.slow
 

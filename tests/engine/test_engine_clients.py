@@ -204,7 +204,7 @@ def test_the_autoscaler_places_its_replicas_on_ray(config, ray_address) -> None:
 
     from tokenfactory.fleet.fleet import Fleet
     from tokenfactory.fleet.launch import cpu_power
-    from tokenfactory.gateway.autoscale import replica_factory
+    from tokenfactory.serve.autoscale import replica_factory
 
     factory = replica_factory(argparse.Namespace(ray=ray_address, replica_timeout=5.0), config, 1, cpu_power(1))
     replica = factory("a0", "local")

@@ -11,8 +11,8 @@ import json
 import pytest
 
 from tokenfactory.cli import build_parser
-from tokenfactory.gateway.cli import display_url, limit_settings_from_args
 from tokenfactory.gateway.limits import BodyDeadline, LimitedH11Protocol, LimitSettings, wrap_app
+from tokenfactory.serve.cli import display_url, limit_settings_from_args
 
 Message = dict
 

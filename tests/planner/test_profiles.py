@@ -7,14 +7,14 @@ import openai
 import pytest
 
 from tokenfactory.cli import build_parser, main
-from tokenfactory.gateway.profile import apply_profile
 from tokenfactory.planner.catalog import load_catalog
 from tokenfactory.planner.hardware import hardware_from_catalog
 from tokenfactory.planner.memory import plan_memory, resolve_weights
 from tokenfactory.planner.modelsrc import load_model
 from tokenfactory.planner.perf import StepModel, Workload
 from tokenfactory.planner.precision import parse_kv_dtype
-from tokenfactory.planner.profiles import choose_profile, make_profile
+from tokenfactory.planner.scenarios import choose_profile, make_profile
+from tokenfactory.serve.scenario import apply_profile
 
 
 def h100_8b() -> tuple[StepModel, Workload, int]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
+from typing import Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -27,7 +28,6 @@ from tokenfactory.gateway import dashboard
 from tokenfactory.gateway.accounting import Accounting
 from tokenfactory.gateway.admin import Tenancy
 from tokenfactory.gateway.admission import Admission
-from tokenfactory.gateway.batch_api import install_batch_routes
 from tokenfactory.gateway.errors import APIError, BodySizeLimit, install_error_handlers
 from tokenfactory.gateway.fleet_routes import fleet_down, install_fleet_routes
 from tokenfactory.gateway.metrics import ServerMetrics
@@ -35,7 +35,15 @@ from tokenfactory.gateway.protocol import ChatCompletionRequest, CompletionReque
 from tokenfactory.gateway.serving import Handler, ServerSettings
 from tokenfactory.gateway.settlement import Settlement
 
-__all__ = ["APIError", "ServerSettings", "Settlement", "build_app"]
+__all__ = ["APIError", "AppService", "ServerSettings", "Settlement", "build_app"]
+
+
+class AppService(Protocol):
+    """Work that lives as long as the app: started when it starts, stopped (in reverse order) before it drains."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
 
 
 def build_app(engine: EngineClient, settings: ServerSettings, accounting: Accounting | None = None,
@@ -51,18 +59,20 @@ def build_app(engine: EngineClient, settings: ServerSettings, accounting: Accoun
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if batches is not None:
-            await batches.start()  # resumes the jobs an earlier process left unfinished
+        for service in app.state.services:  # the Batch API's runner resumes unfinished jobs here
+            await service.start()
         yield
-        if batches is not None:
-            await batches.stop()
+        for service in reversed(app.state.services):
+            await service.stop()
         await handler.drain()  # SIGTERM: every pending ledger row (aborted requests' too) is written first
         app.state.dashboard.close()
         if on_shutdown is not None:
             on_shutdown()
 
     app = FastAPI(title="tokenfactory", lifespan=lifespan)
-    batches = install_batch_routes(app, handler, settings.batch)  # /v1/files, /v1/batches (batch_api.py)
+    # Started with the app, stopped before the pending ledger rows are drained: what the composition root adds
+    # (serve/cli.py installs the Batch API, whose runner is one).
+    app.state.services: list[AppService] = []
     app.state.handler = handler
     app.state.metrics = metrics
     install_error_handlers(app, lambda status: metrics.errors.labels(settings.served_model_name, str(status)).inc())

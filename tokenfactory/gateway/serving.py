@@ -24,7 +24,6 @@ from tokenfactory.engine.client import AddRequest, EngineClient, EngineDeadError
 from tokenfactory.gateway.accounting import Accounting
 from tokenfactory.gateway.admin import Tenancy
 from tokenfactory.gateway.admission import Reservation
-from tokenfactory.gateway.batch import BatchSettings
 from tokenfactory.gateway.compression import compress_chat, request_options
 from tokenfactory.gateway.errors import APIError
 from tokenfactory.gateway.metrics import ServerMetrics
@@ -48,7 +47,6 @@ class ServerSettings:
     max_body_bytes: int = 4 << 20
     retry_after_s: int = 2
     stream_send_timeout_s: float = 30.0  # a streaming client that takes no data this long is dropped
-    batch: BatchSettings | None = None  # the Batch API's runner (gateway/batch.py); None: its defaults
     baseline: tuple[str, float] | None = None  # (bench run, its J/output token): /metrics for the regression alert
 
 
@@ -196,7 +194,7 @@ class Handler:
                     usage_extra: Mapping[str, object] | None = None) -> Response:
         served = served or self.check_model(None)
         self.check_alive(served)
-        # A batch line (gateway/batch.py) brings its own durable request id and the batch priority band.
+        # A batch line (batch/runner.py) brings its own durable request id and the batch priority band.
         request_id = (getattr(request.state, "request_id", None)
                       or f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}")
         # The caller's limits are checked and its worst case reserved (queue slots, concurrency, tokens,

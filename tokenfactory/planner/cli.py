@@ -137,7 +137,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _profile(args: argparse.Namespace, plan: Any) -> Any:
     from tokenfactory.planner.perf import StepModel
-    from tokenfactory.planner.profiles import choose_profile, make_profile
+    from tokenfactory.planner.scenarios import choose_profile, make_profile
 
     req = plan.request
     steps = StepModel(req.hardware, req.model, plan.weights, plan.kv_dtype_bytes)

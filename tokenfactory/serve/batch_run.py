@@ -1,7 +1,7 @@
 """`tokenfactory batch run IN.jsonl --out OUT.jsonl`: an OpenAI Batch API file run offline, no server.
 
 The engine runs in this process, and the lines go through the same path as a server's batch job (the
-`Handler` and `BatchRunner` of gateway/batch.py, over an in-process engine client instead of HTTP):
+`Handler` and `BatchRunner` of batch/runner.py, over an in-process engine client instead of HTTP):
 the same validation, the same ledger rows (one per line, in --data-dir), the same output and error
 lines. The job's id is derived from the input file's path and bytes, so running the same command again
 after an interruption (Ctrl-C, a kill) resumes it: finished lines are not run, nor billed, again.
@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from tokenfactory.gateway.cli import add_engine_args
+from tokenfactory.serve.cli import add_engine_args
 
 DEFAULT_ENDPOINT = "/v1/chat/completions"
 
@@ -66,7 +66,7 @@ def job_ids(path: Path, content: bytes) -> tuple[str, str]:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from tokenfactory.gateway.cli import launch_checked, served_name
+    from tokenfactory.serve.cli import launch_checked, served_name
 
     source = Path(args.input)
     content = source.read_bytes()  # FileNotFoundError: the cli's "error: ..." and status 2
@@ -89,14 +89,14 @@ async def _run_job(args: argparse.Namespace, engine, accounting, name: str, sour
                    content: bytes, endpoint: str) -> str:
     import asyncio
 
+    from tokenfactory.batch.routes import data_dir_of
+    from tokenfactory.batch.runner import BatchRunner, BatchSettings
+    from tokenfactory.batch.store import BatchStore
     from tokenfactory.gateway.admin import Tenancy
     from tokenfactory.gateway.admission import Admission
     from tokenfactory.gateway.auth import ANONYMOUS_PRINCIPAL
-    from tokenfactory.gateway.batch import BatchRunner, BatchSettings
-    from tokenfactory.gateway.batch_api import data_dir_of
     from tokenfactory.gateway.metrics import ServerMetrics
     from tokenfactory.gateway.serving import Handler, ServerSettings
-    from tokenfactory.meter.batch_store import BatchStore
 
     settings = ServerSettings(served_model_name=name, max_waiting=max(256, 2 * args.max_lines_in_flight))
     tenancy = Tenancy(None, Admission(accounting.ledger, max_waiting=settings.max_waiting))
@@ -147,7 +147,7 @@ async def _progress(runner, store, batch_id: str, quiet: bool) -> None:  # noqa:
 def _write_files(store, batch_id: str, out: Path, errors: str | None,  # noqa: ANN001 - BatchStore
                  prices_path: str | None) -> str:
     """OUT and the error file from the store; returns the summary line."""
-    from tokenfactory.gateway.batch import batch_price_multiplier
+    from tokenfactory.batch.runner import batch_price_multiplier
 
     job, t = store.get_job(batch_id), store.totals(batch_id)
     done, failed = store.results(batch_id, "done"), store.results(batch_id, "error")

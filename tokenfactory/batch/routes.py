@@ -1,7 +1,7 @@
 """The Batch API's routes and object shapes (OpenAI's `FileObject`, `Batch`); the runner is batch.py.
 
-`install_batch_routes(app, handler)` adds the routes and returns the `BatchRunner`, which build_app starts
-(resuming unfinished jobs) and stops with the app. Without a ledger there is nowhere durable to keep jobs,
+`install_batch_routes(app, handler)` adds the routes and the `BatchRunner` to the app's services, which the
+app starts (resuming unfinished jobs) and stops with it. Without a ledger there is nowhere durable to keep jobs,
 so every route answers 404, as /v1/usage does. With auth, a tenant sees its own files and jobs; an admin
 key sees all.
 
@@ -25,17 +25,17 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy.exc import SQLAlchemyError
 
-from tokenfactory.gateway.admin import Tenancy
-from tokenfactory.gateway.auth import ANONYMOUS_PRINCIPAL, Principal
-from tokenfactory.gateway.batch import (
+from tokenfactory.batch.runner import (
     ENDPOINT_TO_KIND,
     WINDOW_TO_SECONDS,
     BatchRunner,
     BatchSettings,
     batch_price_multiplier,
 )
+from tokenfactory.batch.store import BatchStore, JobTotals, new_id
+from tokenfactory.gateway.admin import Tenancy
+from tokenfactory.gateway.auth import ANONYMOUS_PRINCIPAL, Principal
 from tokenfactory.gateway.errors import APIError
-from tokenfactory.meter.batch_store import BatchStore, JobTotals, new_id
 from tokenfactory.meter.paths import resolve_data_dir
 from tokenfactory.types import ParameterError
 
@@ -124,6 +124,8 @@ def install_batch_routes(app: FastAPI, handler: Handler, settings: BatchSettings
               if store is not None else None)
     routes = _Routes(handler, store, runner)
     app.state.batches = runner
+    if runner is not None:
+        app.state.services.append(runner)
     app.post("/v1/files")(routes.create_file)
     app.get("/v1/files")(routes.list_files)
     app.get("/v1/files/{file_id}")(routes.get_file)

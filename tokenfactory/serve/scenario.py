@@ -1,5 +1,5 @@
 """`serve --profile latency|throughput|efficiency`: engine limits, chunk size, speculation, SLO targets and the
-autoscaler's goal from the planner's model of the machine (planner/profiles.py says what each one sets and why).
+autoscaler's goal from the planner's model of the machine (planner/scenarios.py says what each one sets and why).
 
 The machine is the catalog device `--profile-device` names (default: the catalog's CPU for a CPU server, the
 first catalog GPU whose name the CUDA device's contains, else H100-SXM); the model is the served file. A flag
@@ -16,7 +16,7 @@ PROFILE_FLAGS = {"max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_
 
 
 def add_profile_args(p: argparse.ArgumentParser) -> None:
-    from tokenfactory.planner.profiles import PROFILES
+    from tokenfactory.planner.scenarios import PROFILES
 
     g = p.add_argument_group("scenario profile (docs/autoscaling.md)")
     g.add_argument("--profile", choices=PROFILES,
@@ -50,7 +50,7 @@ def apply_profile(args: argparse.Namespace, parser_defaults: dict[str, object]) 
     from tokenfactory.planner.modelsrc import load_model
     from tokenfactory.planner.perf import StepModel, Workload
     from tokenfactory.planner.precision import parse_kv_dtype
-    from tokenfactory.planner.profiles import make_profile
+    from tokenfactory.planner.scenarios import make_profile
 
     catalog = load_catalog()
     device = catalog.device(_device(args, catalog))

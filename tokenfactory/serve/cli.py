@@ -134,7 +134,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-lines-in-flight", type=int, default=32,
                    help="Batch API lines in the engine at once, all jobs together (docs/batch.md)")
     add_fleet_args(p)
-    from tokenfactory.gateway.profile import add_profile_args  # serve --profile (planner/profiles.py)
+    from tokenfactory.serve.scenario import add_profile_args  # serve --profile (planner/scenarios.py)
 
     add_profile_args(p)
     p.set_defaults(func=serve)
@@ -164,7 +164,7 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sticky-sessions", action="store_true", help="keep a request's `user` on one replica")
     g.add_argument("--replica-timeout", type=float, default=10.0,
                    help="seconds a replica may stay silent before it counts as hung and is restarted")
-    from tokenfactory.gateway.autoscale import add_autoscaler_args  # docs/autoscaling.md
+    from tokenfactory.serve.autoscale import add_autoscaler_args  # docs/autoscaling.md
 
     add_autoscaler_args(p.add_argument_group("autoscaling"))
 
@@ -354,7 +354,7 @@ class Started:
     power: str
     prices: str
     extra_models: dict = field(default_factory=dict)  # name -> Fleet: models served beside the default
-    autoscaling: Any = None  # gateway/autoscale.py's Autoscaling, with --autoscaler
+    autoscaling: Any = None  # serve/autoscale.py's Autoscaling, with --autoscaler
 
 
 def launch_checked(args: argparse.Namespace) -> tuple[Any, Any, tuple[Any, str, str]]:
@@ -419,7 +419,7 @@ def start_fleet(args: argparse.Namespace) -> Started:
     for fleet in fleets.values():
         fleet.step_listeners.append(accounting.meter.on_step)  # one meter: this machine's power, every step
         fleet.start()
-    from tokenfactory.gateway.autoscale import describe, start_autoscaler
+    from tokenfactory.serve.autoscale import describe, start_autoscaler
 
     autoscaling = start_autoscaler(args, fleets[name], config, power_model)  # the default model's replicas
     banner = [f"  model   {groups[0].model_path}"]
@@ -515,15 +515,16 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
     from sqlalchemy.exc import SQLAlchemyError
 
+    from tokenfactory.batch.routes import install_batch_routes
+    from tokenfactory.batch.runner import BatchSettings
     from tokenfactory.engine.client import ChargeEnergy
     from tokenfactory.gateway.app import ServerSettings, build_app
-    from tokenfactory.gateway.batch import BatchSettings
     from tokenfactory.gateway.limits import raise_fd_limit, wrap_app
 
     try:
         limits = limit_settings_from_args(args)
         baseline = read_baseline(args.baseline) if getattr(args, "baseline", None) else None
-        from tokenfactory.gateway.profile import apply_profile
+        from tokenfactory.serve.scenario import apply_profile
 
         profile_line = apply_profile(args, getattr(args, "profile_defaults", {}))
         started = start_fleet(args) if fleet_mode(args) else start_engine(args)
@@ -544,15 +545,14 @@ def serve(args: argparse.Namespace) -> int:
 
     settings = ServerSettings(served_model_name=name, max_waiting=args.max_waiting,
                               max_body_bytes=int(args.max_body_bytes),
-                              stream_send_timeout_s=args.stream_send_timeout,
-                              batch=BatchSettings(max_lines_in_flight=args.batch_lines_in_flight,
-                                                  prices_path=args.prices),
-                              baseline=baseline)
+                              stream_send_timeout_s=args.stream_send_timeout, baseline=baseline)
     tenancy, auth_line = build_tenancy(args, client, accounting)
     app = build_app(client, settings, accounting, on_shutdown=shutdown, tenancy=tenancy,
                     models=started.extra_models)
+    install_batch_routes(app, app.state.handler, BatchSettings(max_lines_in_flight=args.batch_lines_in_flight,
+                                                               prices_path=args.prices))  # /v1/files, /v1/batches
     if started.autoscaling is not None:  # GET /fleet/autoscaler, its /metrics, the TTFT feed
-        from tokenfactory.gateway.autoscale import install_autoscaler_routes
+        from tokenfactory.serve.autoscale import install_autoscaler_routes
 
         install_autoscaler_routes(app, started.autoscaling, app.state.metrics.registry, app.state.metrics.ttft, name)
     print("\n".join([f"tokenfactory serving {name}", *started.banner,

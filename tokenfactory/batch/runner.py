@@ -18,7 +18,7 @@ it a guaranteed share: engine/scheduler.py), with a request id derived from the 
 (status failed, errors naming the budget). At most `max_lines_in_flight` lines are in the engine at
 once, server-wide, so batch work never fills the admission queue.
 
-State is durable (meter/batch_store.py): a server killed mid-job resumes its jobs at start-up and runs
+State is durable (batch/store.py): a server killed mid-job resumes its jobs at start-up and runs
 only the lines that had not finished.
 """
 
@@ -36,10 +36,10 @@ from typing import TYPE_CHECKING, Any
 import pydantic
 from starlette.requests import Request as StarletteRequest
 
+from tokenfactory.batch.store import BatchStore, LineResult, PendingLine, line_request_id, new_id
 from tokenfactory.gateway.auth import Principal, Refusal
 from tokenfactory.gateway.errors import APIError
 from tokenfactory.gateway.protocol import ChatCompletionRequest, CompletionRequest
-from tokenfactory.meter.batch_store import BatchStore, LineResult, PendingLine, line_request_id, new_id
 from tokenfactory.meter.prices import load_price_table
 from tokenfactory.types import BANDS, ParameterError
 
