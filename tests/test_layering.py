@@ -18,7 +18,8 @@ PACKAGE = ROOT / "tokenfactory"
 # Lowest first. A module may import only modules of its own layer or of a lower one.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # With the package's own __init__ (its __version__ and re-exported nouns; see PUBLIC_API).
-    ("shared nouns", ("tokenfactory.types", "tokenfactory.config", "tokenfactory.progress", "tokenfactory")),
+    ("shared nouns", ("tokenfactory.types", "tokenfactory.config", "tokenfactory.progress", "tokenfactory.levers",
+                      "tokenfactory")),
     ("layers", ("tokenfactory.layers",)),
     ("models", ("tokenfactory.models",)),
     ("engine", ("tokenfactory.engine",)),

@@ -28,32 +28,38 @@ def parse_memory(text: str) -> int | float:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
+    from tokenfactory.levers import add_lever, engine_default  # one name, default and why per lever (#30)
+
     p.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: bundled SmolLM2-135M)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory", type=parse_memory, default=None,
-                   help="KV cache size: bytes (2GiB) or a fraction of free memory (0.5)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
-                   help="KV cache storage: auto (the model's dtype), int8 or fp8 (8 bits with a scale per head and "
-                        "token: about twice the tokens in the same memory; docs/memory.md)")
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--batch-share", type=float, default=0.1,
+    p.add_argument("--device", default=engine_default("device"),
+                   help="cpu or cuda[:N]: where the weights, the KV cache and every step live")
+    add_lever(p, "dtype", aliases=False, default=engine_default("dtype"),
+              choices=["auto", "float32", "bfloat16", "float16"])
+    add_lever(p, "max_model_len", aliases=False, type=int, default=engine_default("max_model_len"))
+    add_lever(p, "max_num_seqs", aliases=False, type=int, default=engine_default("max_num_seqs"))
+    add_lever(p, "max_num_batched_tokens", aliases=False, type=int, default=engine_default("max_num_batched_tokens"))
+    add_lever(p, "block_size", aliases=False, type=int, default=engine_default("block_size"))
+    p.add_argument("--kv-cache-memory", type=parse_memory, default=engine_default("kv_cache_memory"),
+                   help="KV cache size: bytes (2GiB) or a fraction of the memory free once the weights are placed "
+                        "(0.5). Default: 85%% of it on CUDA; 30%% on a CPU, at most 1 GiB (a CPU server shares its "
+                        "RAM)")
+    add_lever(p, "kv_cache_dtype", aliases=False, default=engine_default("kv_cache_dtype"),
+              choices=["auto", "int8", "fp8"], extra="docs/memory.md")
+    add_lever(p, "no_prefix_caching", aliases=False, action="store_true")
+    p.add_argument("--batch-share", type=float, default=engine_default("batch_min_share"),
                    help="of --max-num-seqs, the share of seats kept for batch jobs while they have work, so a busy "
                         "server still finishes them; the rest they fill only when idle (docs/batch.md)")
-    p.add_argument("--batch-yield", default="share", choices=["share", "seats"],
+    p.add_argument("--batch-yield", default=engine_default("batch_yield"), choices=["share", "seats"],
                    help="how far batch jobs give way to other traffic: share (down to --batch-share while it is "
                         "present: the default, right where compute is short) or seats (only the seats it needs)")
-    p.add_argument("--quantization", default="auto",
-                   help="weights: auto (a GGUF keeps its own quantization), none, int8, int4, int4-g64, ...")
+    add_lever(p, "quantization", aliases=False, default=engine_default("quantization"))
     p.add_argument("--quantization-dense", default="auto", choices=["auto", "copy", "on-the-fly"],
                    help="quantized layers' large steps: copy (keep a dequantized copy: fast batches, more memory), "
-                        "on-the-fly (the packed codes only, dequantized per large step), or auto (the default: "
-                        "copy where it fits, else on-the-fly)")
-    p.add_argument("--seed", type=int, default=0)
+                        "on-the-fly (the packed codes only, dequantized per large step), or auto: on a CPU the copy "
+                        "where it fits, else on-the-fly; on CUDA on-the-fly whenever the copy would make the weights "
+                        "bigger than not quantizing them (int4 with a bf16 copy is more than bf16 alone)")
+    p.add_argument("--seed", type=int, default=engine_default("seed"),
+                   help="the sampling seed of requests that give none, so a server's answers can be reproduced")
     p.add_argument("--single-thread-step-tokens", type=int, default=None,
                    help="run steps of at most this many tokens on one CPU thread (0: off; default: what the machine "
                         "profile measured, see --machine-profile and docs/benchmarks.md)")
@@ -66,7 +72,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "whose cores are also busy with other work, fewer threads avoid OpenMP's spin-wait collapse")
     p.add_argument("--speculative", default="none",
                    help="speculative decoding: none, ngram, draft:PATH or self-int4 (docs/speculative.md)")
-    p.add_argument("--num-speculative-tokens", type=int, default=4, help="most draft tokens per sequence and step")
+    p.add_argument("--num-speculative-tokens", type=int, default=engine_default("num_speculative_tokens"),
+                   help="most draft tokens per sequence and step: more pays when drafts are accepted, costs compute "
+                        "when they are not")
     p.add_argument("--scheduling-policy", default=None,
                    help="waiting-queue order: fcfs, vtc (priority bands + weighted fair share in tokens) or "
                         "vtc-joules (the same, counted in measured joules); default vtc with --auth (the "
@@ -106,13 +114,16 @@ def scheduling_policy(args: argparse.Namespace) -> str:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("serve", help="run the OpenAI-compatible server")
+    from tokenfactory.levers import HelpFormatter
+
+    p = subparsers.add_parser("serve", help="run the OpenAI-compatible server", formatter_class=HelpFormatter)
     add_engine_args(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: the file's name)")
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests beyond this get 503")
-    p.add_argument("--max-body-bytes", type=parse_memory, default=4 << 20)
+    p.add_argument("--max-body-bytes", type=parse_memory, default=4 << 20,
+                   help="request bodies beyond this size get 413 (bytes, or 4MiB)")
     p.add_argument("--stream-send-timeout", type=float, default=30.0,
                    help="seconds a streaming client may take no data before it is dropped and its request "
                         "aborted (and billed for what was made)")
@@ -124,7 +135,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--cpu-tdp-watts", type=float, default=None, help="TDP for the modelled source")
     p.add_argument("--prices", default=None, help="a prices TOML file merged over the dated defaults")
     p.add_argument("--device-profile", default=None, help="the prices file's device profile (default: matched)")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", help="debug, info, warning or error")
     p.add_argument("--baseline", default=None, metavar="RESULT.json",
                    help="a saved `tokenfactory bench serve --save NAME` run (results/NAME.json) made on this machine: "
                         "its joules per output token go to /metrics for the J/token regression alert (deploy/)")
