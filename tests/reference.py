@@ -214,7 +214,7 @@ def tiny_gguf_file(path: Path, arch: str = "llama", *, ggml_type: str = "F32", n
     config = ModelConfig(arch, len(tokens), hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads,
                          hidden_size // num_heads, tie_word_embeddings=tie_word_embeddings,
                          attention_bias=arch == "qwen2")
-    from tokenfactory.models.loader import expected_weight_shapes
+    from tokenfactory.models.base import expected_weight_shapes
 
     writer = gguf.GGUFWriter(str(path), arch)
     expected: dict[str, torch.Tensor] = {}

@@ -22,8 +22,9 @@ from tests.reference import (
     tiny_random_model_dir,
 )
 from tokenfactory.models import loader
+from tokenfactory.models.base import expected_weight_shapes
 from tokenfactory.models.gguf import llama3_rope_factors, read_gguf, unpermute_rows
-from tokenfactory.models.loader import bundled_model_path, expected_weight_shapes, load_model
+from tokenfactory.models.loader import bundled_model_path, load_model
 
 # `bundled` (the bundled model, loaded once per session) comes from tests/conftest.py.
 

