@@ -143,7 +143,7 @@ def test_without_auth_only_loopback_may_watch():
 
     async def get(path: str, client: tuple[str, int]) -> httpx.Response:
         transport = httpx.ASGITransport(app=app, client=client)
-        async with httpx.AsyncClient(transport=transport, base_url="http://server") as c:
+        async with httpx.AsyncClient(transport=transport, base_url="http://192.0.2.1:8000") as c:  # the server's IP
             return await c.get(path)
 
     try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -28,7 +29,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sub = fleet.add_subparsers(dest="fleet_command", metavar="COMMAND", required=True)
     status = sub.add_parser("status", help=STATUS_HELP, description=STATUS_HELP)
     status.add_argument("--url", default="http://127.0.0.1:8000", help="the server")
-    status.add_argument("--api-key", help="an admin key, when the server runs with --auth")
+    status.add_argument("--api-key", default=None,
+                        help="an admin key, when the server runs with --auth (default: $TOKENFACTORY_API_KEY, which "
+                             "keeps it out of `ps`)")
     status.add_argument("--json", action="store_true")
     status.set_defaults(func=cmd_fleet_status)
 
@@ -229,7 +232,8 @@ def write_plot(results: Sequence[tuple[str, Any, float]], path: str) -> None:
 def cmd_fleet_status(args: argparse.Namespace) -> int:
     import httpx
 
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    key = args.api_key or os.environ.get("TOKENFACTORY_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     url = args.url.rstrip("/")
     try:
         replicas = httpx.get(url + "/fleet/replicas", headers=headers, timeout=10)

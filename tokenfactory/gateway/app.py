@@ -14,7 +14,7 @@ a streaming client that stops reading is dropped after `stream_send_timeout_s` (
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Protocol
 
@@ -34,6 +34,7 @@ from tokenfactory.gateway.metrics import ServerMetrics
 from tokenfactory.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from tokenfactory.gateway.serving import Handler, ServerSettings
 from tokenfactory.gateway.settlement import Settlement
+from tokenfactory.gateway.trust import LoopbackTrust, TrustSettings
 
 __all__ = ["APIError", "AppService", "ServerSettings", "Settlement", "build_app"]
 
@@ -48,8 +49,10 @@ class AppService(Protocol):
 
 def build_app(engine: EngineClient, settings: ServerSettings, accounting: Accounting | None = None,
               on_shutdown: Callable[[], None] | None = None, tenancy: Tenancy | None = None,
-              models: Mapping[str, EngineClient] | None = None) -> FastAPI:
-    """`engine` serves `settings.served_model_name`; `models` adds other models by name (a fleet per model)."""
+              models: Mapping[str, EngineClient] | None = None, allowed_hosts: Sequence[str] = ()) -> FastAPI:
+    """`engine` serves `settings.served_model_name`; `models` adds other models by name (a fleet per model);
+    `allowed_hosts`: names a request's Host may carry without --auth besides IP literals and localhost
+    (gateway/trust.py)."""
     if tenancy is None:  # auth off, no limits but the queue bound
         tenancy = Tenancy(None, Admission(max_waiting=settings.max_waiting, retry_after_s=settings.retry_after_s))
     metrics = ServerMetrics(engine, settings.served_model_name,
@@ -127,4 +130,8 @@ def build_app(engine: EngineClient, settings: ServerSettings, accounting: Accoun
         return await handler.chat(body, request)
 
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)  # type: ignore[arg-type]
+    if not tenancy.auth_on:  # outermost: a browser's cross-site request is refused before anything runs
+        app.add_middleware(LoopbackTrust, settings=TrustSettings(tuple(allowed_hosts)),  # type: ignore[arg-type]
+                           on_refusal=lambda status: metrics.errors.labels(settings.served_model_name,
+                                                                           str(status)).inc())
     return app

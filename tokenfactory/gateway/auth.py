@@ -1,9 +1,10 @@
 """Who is calling: `Authorization: Bearer <API key>` checked against the tenant store.
 
 `serve --auth` turns it on; without it every request runs as the tenant "anonymous" (the local,
-single-user case) and the /admin routes are closed. An ASGI middleware checks /v1/* and /admin/*
-before the body is read and puts the caller's `Principal` in the request state; /health and
-/metrics stay open (probes and scrapers carry no key).
+single-user case) and the /admin routes are closed. An ASGI middleware checks /v1/*, /admin/* and
+/fleet/* before the body is read and puts the caller's `Principal` in the request state; /admin and
+/fleet (replica management, the autoscaler's state) need an admin key; /health and /metrics stay open
+(probes and scrapers carry no key).
 
 Refusals a person can act on, in OpenAI's error shape, worded so that an *API key* (authentication)
 can never be mistaken for a *model token* (a unit of text):
@@ -11,7 +12,7 @@ can never be mistaken for a *model token* (a unit of text):
     401 missing_api_key   no Authorization header, or not "Bearer <key>"
     401 invalid_api_key   not a key of this server, a revoked key, or a key of a removed tenant
     401 expired_api_key   the key's expiry time has passed
-    403 admin_only        an /admin route with a tenant's (non-admin) key, or with auth off
+    403 admin_only        an /admin or /fleet route with a tenant's (non-admin) key, or /admin with auth off
     503 auth_unavailable  the tenant store did not answer within AUTH_TIMEOUT_S (a held database lock,
                           a database restart) or too many lookups are already pending
 
@@ -40,7 +41,7 @@ AUTH_TIMEOUT_S = 2.0  # an indexed read answers in milliseconds; past this the d
 
 ANONYMOUS = Tenant("anonymous")
 ADMIN = Tenant(ADMIN_TENANT)
-PROTECTED_PREFIXES = ("/v1/", "/admin")
+PROTECTED_PREFIXES = ("/v1/", "/admin", "/fleet")
 INVALID_TOKEN = {"WWW-Authenticate": 'Bearer error="invalid_token"'}  # RFC 6750 §3
 
 
@@ -153,12 +154,13 @@ class KeyAuthenticator:
         return Principal(tenant, info.key_id, info.is_admin)
 
 
-def admin_only(auth_on: bool) -> Refusal:
+def admin_only(auth_on: bool, path: str = "/admin") -> Refusal:
+    route = "/fleet" if path.startswith("/fleet") else "/admin"
     if not auth_on:
         return Refusal(403, "the /admin routes are closed: this server runs without authentication "
                        "(start it with `tokenfactory serve --auth` and use an admin API key)", "permission_error",
                        "admin_only")
-    return Refusal(403, "this API key may not use /admin routes: they need an admin API key "
+    return Refusal(403, f"this API key may not use {route} routes: they need an admin API key "
                    "(`tokenfactory keys create --admin`)", "permission_error", "admin_only")
 
 
@@ -179,6 +181,8 @@ class AuthMiddleware:
             principal = await self.principal(scope)
             if path.startswith("/admin") and not principal.is_admin:
                 raise admin_only(self.authenticator is not None)
+            if path.startswith("/fleet") and self.authenticator is not None and not principal.is_admin:
+                raise admin_only(True, path)
         except Refusal as refusal:
             self.on_refusal(refusal.status)
             return await send_refusal(refusal, send)

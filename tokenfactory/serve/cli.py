@@ -141,6 +141,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "its joules per output token go to /metrics for the J/token regression alert (deploy/)")
     p.add_argument("--auth", action="store_true",
                    help="require API keys (tenants and keys in --data-dir; see `tokenfactory tenants` and `keys`)")
+    p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                   help="without --auth, a host name requests may be addressed to besides IP addresses and localhost "
+                        "(repeatable; '*': any). Other names are refused, so that a web page cannot reach the server "
+                        "through DNS rebinding (docs/server.md, \"Trust without --auth\")")
     add_limit_args(p)
     p.add_argument("--batch-lines-in-flight", type=int, default=32,
                    help="Batch API lines in the engine at once, all jobs together (docs/batch.md)")
@@ -559,7 +563,7 @@ def serve(args: argparse.Namespace) -> int:
                               stream_send_timeout_s=args.stream_send_timeout, baseline=baseline)
     tenancy, auth_line = build_tenancy(args, client, accounting)
     app = build_app(client, settings, accounting, on_shutdown=shutdown, tenancy=tenancy,
-                    models=started.extra_models)
+                    models=started.extra_models, allowed_hosts=args.allowed_host)
     install_batch_routes(app, app.state.handler, BatchSettings(max_lines_in_flight=args.batch_lines_in_flight,
                                                                prices_path=args.prices))  # /v1/files, /v1/batches
     if started.autoscaling is not None:  # GET /fleet/autoscaler, its /metrics, the TTFT feed
