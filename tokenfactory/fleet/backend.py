@@ -9,6 +9,16 @@ parameters, streamed. Its text deltas become `RequestOutput`s; the completion's 
 reachable. A background thread checks `/health` (or `/v1/models`) and reads `/metrics` every `poll_s`:
 vLLM's, SGLang's and our own names for running and waiting requests and KV usage feed the router; three
 failed checks in a row mark it down, and a passing check brings it back.
+
+A backend is untrusted input (docs/fleet.md, "A backend is untrusted input"): every chunk's shape is checked
+(an object; `choices` a list of objects; `index` an integer naming one of the request's choices; `text` and
+`finish_reason` strings), a malformed one ends the request with a named `RequestError` (an error event in a
+stream, a 500 otherwise) instead of an exception; a line is at most `max_line_bytes`, an error body is read
+up to `MAX_ERROR_BYTES` only, `/health` and `/metrics` up to `MAX_POLL_BYTES`, and the whole stream must end
+within `max_stream_s`. A reported `completion_tokens` that is not an integer in [0, n × max_tokens] is
+refused: the count is our tokenizer's (clamped to that bound) and the usage says `tokens_source:
+backend-refused`. Credentials never appear in what is shown: a URL's `user:password@` is sent as basic auth
+and dropped from `url`, and the key is a header only.
 """
 
 from __future__ import annotations
@@ -16,11 +26,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import httpx
 
@@ -46,6 +58,32 @@ RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs", "tokenfactory
 WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs", "tokenfactory:num_requests_waiting")
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage",
             "tokenfactory:kv_cache_usage_perc")
+MAX_ERROR_BYTES = 4096  # of an error body: enough for any message, never a backend's whole answer
+MAX_POLL_BYTES = 4 << 20  # of /health, /v1/models or /metrics
+REFUSED_SOURCE = "backend-refused"  # usage.tokens_source when the backend's own count was refused
+
+
+def split_credentials(url: str) -> tuple[str, tuple[str, str] | None]:
+    """(the URL without `user:password@`, (user, password) or None)."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url, None
+    host = parts.hostname or ""
+    netloc = (f"[{host}]" if ":" in host else host) + (f":{parts.port}" if parts.port is not None else "")
+    clean = urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    return clean, (unquote(parts.username or ""), unquote(parts.password or ""))
+
+
+def redact_url(url: str) -> str:
+    """A URL fit to show: `user:password@` becomes `***@` (banners, logs, /health, fleet status)."""
+    try:
+        clean, credentials = split_credentials(url)
+    except ValueError:  # not a URL urllib can read: still hide whatever sits before an '@'
+        return re.sub(r"(://)[^/]*@", r"\1***@", url)
+    if credentials is None:
+        return url
+    scheme, _, rest = clean.partition("://")
+    return f"{scheme}://***@{rest}"
 
 
 @dataclass(frozen=True)
@@ -99,11 +137,20 @@ class HTTPBackend:
     """An EngineClient over an OpenAI-compatible server (see the module's docstring)."""
 
     def __init__(self, name: str, url: str, model: str, info: ModelInfo, tokenizer: Tokenizer,
-                 api_key: str | None = None, poll_s: float = 1.0, timeout_s: float = 600.0) -> None:
+                 api_key: str | None = None, poll_s: float = 1.0, timeout_s: float = 600.0, *,
+                 basic_auth: tuple[str, str] | None = None, max_stream_s: float = 3600.0,
+                 max_line_bytes: int = 1 << 20) -> None:
+        """`url` may carry `user:password@` (sent as basic auth, never kept in `url`); `timeout_s`: the longest
+        silence within a response; `max_stream_s`: the longest whole response."""
+        url, in_url = split_credentials(url)
         self.name, self.url, self.model = name, url.rstrip("/").removesuffix("/v1"), model
         self._info, self._tokenizer = info, tokenizer
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.poll_s, self.timeout_s = poll_s, timeout_s
+        credentials = basic_auth or in_url
+        self.auth = httpx.BasicAuth(*credentials) if credentials and not api_key else None
+        self.poll_s, self.timeout_s, self.max_stream_s, self.max_line_bytes = (poll_s, timeout_s, max_stream_s,
+                                                                               max_line_bytes)
+        self.num_counts_refused = 0  # completion_tokens reports refused (negative, huge, not an integer)
         self.request_listeners: list[Callable[[str, bool], None]] = []  # (request_id, started?): the energy model
         self.metrics = BackendMetrics()
         self._num_in_flight = 0
@@ -163,23 +210,29 @@ class HTTPBackend:
             raise EngineDeadError(self._dead_reason)
         client = self._client()
         metrics = RequestMetrics(arrival_time=request.arrival_time, first_scheduled_time=time.monotonic())
-        state = _Accumulated(request, self._tokenizer, metrics)
+        state = _Accumulated(request, self._tokenizer, metrics, self.name, self._info.max_model_len)
         produced = False
         self._num_in_flight += 1
         self._num_requests += 1
         self._notify(request.request_id, True)
+        deadline = time.monotonic() + self.max_stream_s
         try:
-            async with client.stream("POST", f"{self.url}/v1/completions", headers=self.headers,
+            async with client.stream("POST", f"{self.url}/v1/completions", headers=self.headers, auth=self.auth,
                                      json=completion_body(self.model, request), timeout=self.timeout_s) as resp:
                 if resp.status_code >= 400:
-                    body = (await resp.aread()).decode(errors="replace")[:500]
+                    body = (await _read_at_most(resp, MAX_ERROR_BYTES)).decode(errors="replace")[:500]
                     raise RequestError(f"backend {self.name} answered {resp.status_code}: {body}")
-                async for line in resp.aiter_lines():
+                async for line in self._lines(resp, deadline):
                     # The last chunks (finish reasons, then usage) are held for one final output with the count.
                     if state.feed(line) and not state.all_finished:
                         produced = True
                         yield state.output()
             final = state.final()
+            if state.refused is not None:
+                self.num_counts_refused += 1
+                logger.warning("backend %s reported completion_tokens=%r for request %s; billed our tokenizer's "
+                               "count %d instead (%s)", self.name, state.refused, request.request_id,
+                               final.num_completion_tokens, REFUSED_SOURCE)
             self._num_prompt_tokens += len(request.prompt_token_ids)
             self._num_generation_tokens += final.num_completion_tokens
             yield final
@@ -192,6 +245,31 @@ class HTTPBackend:
             self._notify(request.request_id, False)
 
     # -- helpers -----------------------------------------------------------------------------------------
+
+    async def _lines(self, resp: httpx.Response, deadline: float) -> AsyncIterator[str]:
+        """The response's lines, each at most `max_line_bytes`, all of them before `deadline`."""
+        chunks = resp.aiter_bytes()
+        pending = b""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RequestError(f"backend {self.name} did not finish its answer within {self.max_stream_s:g} s")
+            try:
+                async with asyncio.timeout(left):  # only this read: never across a yield
+                    chunk = await anext(chunks, None)
+            except TimeoutError:
+                raise RequestError(f"backend {self.name} did not finish its answer within "
+                                   f"{self.max_stream_s:g} s") from None
+            if chunk is None:
+                break
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            if len(pending) > self.max_line_bytes or any(len(line) > self.max_line_bytes for line in lines):
+                raise RequestError(f"backend {self.name} sent a line longer than {self.max_line_bytes} bytes")
+            for line in lines:
+                yield line.rstrip(b"\r").decode("utf-8", errors="replace")
+        if pending:
+            yield pending.rstrip(b"\r").decode("utf-8", errors="replace")
 
     def _notify(self, request_id: str, started: bool) -> None:
         for listener in self.request_listeners:
@@ -206,26 +284,36 @@ class HTTPBackend:
         return client
 
     def _poll(self) -> None:
-        with httpx.Client(timeout=max(self.poll_s * 2, 2.0), headers=self.headers) as http:
+        with httpx.Client(timeout=max(self.poll_s * 2, 2.0), headers=self.headers, auth=self.auth) as http:
             while not self._stop.is_set():
                 self._check(http)
                 self._stop.wait(self.poll_s)
 
+    def _get(self, http: httpx.Client, path: str) -> tuple[int, bytes]:
+        """(status, at most MAX_POLL_BYTES of the body): a backend's /metrics cannot fill our memory."""
+        with http.stream("GET", f"{self.url}{path}") as r:
+            body = b""
+            for chunk in r.iter_bytes():
+                body += chunk
+                if len(body) >= MAX_POLL_BYTES:
+                    break
+            return r.status_code, body[:MAX_POLL_BYTES]
+
     def _check(self, http: httpx.Client) -> None:
         try:
-            r = http.get(f"{self.url}/health")
-            if r.status_code == 404:
-                r = http.get(f"{self.url}/v1/models")
-            ok = r.status_code == 200
-            reason = f"/health answered {r.status_code}"
-        except httpx.HTTPError as e:
+            status, _ = self._get(http, "/health")
+            if status == 404:
+                status, _ = self._get(http, "/v1/models")
+            ok = status == 200
+            reason = f"/health answered {status}"
+        except httpx.HTTPError as e:  # its message names no credentials: `url` carries none
             ok, reason = False, f"{type(e).__name__}: {e}"
         if ok:
             self._num_failed_checks, self._dead_reason = 0, None
             try:
-                m = http.get(f"{self.url}/metrics")
-                if m.status_code == 200:
-                    self.metrics = parse_backend_metrics(m.text)
+                status, body = self._get(http, "/metrics")
+                if status == 200:
+                    self.metrics = parse_backend_metrics(body.decode("utf-8", errors="replace"))
             except httpx.HTTPError:
                 pass
             return
@@ -235,13 +323,33 @@ class HTTPBackend:
             logger.warning("%s", self._dead_reason)
 
 
-class _Accumulated:
-    """One streamed completion, chunk by chunk, as RequestOutputs with deltas."""
+async def _read_at_most(resp: httpx.Response, limit: int) -> bytes:
+    body = b""
+    async for chunk in resp.aiter_bytes():
+        body += chunk
+        if len(body) >= limit:
+            break
+    return body[:limit]
 
-    def __init__(self, request: AddRequest, tokenizer: Tokenizer, metrics: RequestMetrics) -> None:
-        self.request, self.tokenizer, self.metrics = request, tokenizer, metrics
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class _Accumulated:
+    """One streamed completion, chunk by chunk, as RequestOutputs with deltas; every chunk's shape checked."""
+
+    def __init__(self, request: AddRequest, tokenizer: Tokenizer, metrics: RequestMetrics, name: str = "backend",
+                 max_model_len: int | None = None) -> None:
+        self.request, self.tokenizer, self.metrics, self.name = request, tokenizer, metrics, name
         self.outputs = {i: CompletionOutput(index=i) for i in range(request.params.n)}
         self.usage: dict[str, Any] | None = None
+        self.max_choice_tokens = request.params.max_tokens or max_model_len or 1 << 20
+        self.max_completion_tokens = request.params.n * self.max_choice_tokens  # the most the backend may report
+        self.refused: object = None  # a refused completion_tokens report, as the backend sent it
+
+    def malformed(self, what: str) -> RequestError:
+        return RequestError(f"backend {self.name} sent a malformed chunk: {what}")
 
     @property
     def all_finished(self) -> bool:
@@ -256,23 +364,38 @@ class _Accumulated:
             return False
         try:
             chunk = json.loads(data)
-        except json.JSONDecodeError:
-            return False
+        except (json.JSONDecodeError, RecursionError):
+            raise self.malformed("not JSON") from None
+        if not isinstance(chunk, dict):
+            raise self.malformed(f"a JSON {type(chunk).__name__}, not an object")
         if "error" in chunk:
-            raise RequestError(f"the backend failed this request: {chunk['error']}")
-        if chunk.get("usage"):
-            self.usage = chunk["usage"]
+            raise RequestError(f"backend {self.name} failed this request: {str(chunk['error'])[:500]}")
+        usage = chunk.get("usage")
+        if usage is not None and not isinstance(usage, dict):
+            raise self.malformed("usage is not an object")
+        if usage:
+            self.usage = usage
+        choices = chunk.get("choices")
+        if choices is None:
+            choices = []
+        if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+            raise self.malformed("choices is not a list of objects")
         changed = False
-        for choice in chunk.get("choices") or []:
+        for choice in choices:
             changed |= self._apply(choice)
         return changed
 
     def _apply(self, choice: dict[str, Any]) -> bool:
-        c = self.outputs.get(int(choice.get("index", 0)))
-        if c is None:
-            return False
-        text = choice.get("text") or ""
+        index = choice.get("index", 0)
+        if not _is_int(index) or index not in self.outputs:
+            raise self.malformed(f"choice index {str(index)[:40]!r} is not one of 0..{len(self.outputs) - 1}")
+        c = self.outputs[index]
+        text, reason = choice.get("text") or "", choice.get("finish_reason")
+        if not isinstance(text, str) or (reason is not None and not isinstance(reason, str)):
+            raise self.malformed("text or finish_reason is not a string")
         ids = self.tokenizer.encode(text, add_special_tokens=False) if text else []
+        if len(c.token_ids) + len(ids) > 2 * self.max_choice_tokens + 64:  # our count, with slack for re-tokenizing
+            raise RequestError(f"backend {self.name} sent far more text than max_tokens allows")
         now = time.monotonic()
         if text and self.metrics.first_token_time is None:
             self.metrics.first_token_time = now
@@ -281,8 +404,7 @@ class _Accumulated:
         c.text += text
         c.token_ids = c.token_ids + ids
         c.text_delta, c.token_ids_delta = c.text_delta + text, c.token_ids_delta + ids
-        if choice.get("finish_reason"):
-            reason = choice["finish_reason"]
+        if reason:
             c.finish_reason = FinishReason(reason) if reason in FinishReason._value2member_map_ else FinishReason.STOP
         return bool(text) or c.finish_reason is not None
 
@@ -295,12 +417,25 @@ class _Accumulated:
             c.text_delta, c.token_ids_delta = "", []
         if all(c.finish_reason is not None for c in outs) and self.metrics.finished_time is None:
             self.metrics.finished_time = time.monotonic()
-        reported = self.usage.get("completion_tokens") if self.usage else None
-        cached = ((self.usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        reported, source = self.reported_count(outs)
+        details = (self.usage or {}).get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else 0
+        num_prompt = len(self.request.prompt_token_ids)
+        cached = min(max(cached, 0), num_prompt) if _is_int(cached) else 0
         return RequestOutput(self.request.request_id, self.request.prompt, list(self.request.prompt_token_ids), outs,
-                             num_cached_tokens=int(cached), metrics=self.metrics,
-                             num_completion_tokens_reported=int(reported) if reported is not None else None,
-                             tokens_source="backend" if reported is not None else "tokenizer")
+                             num_cached_tokens=cached, metrics=self.metrics,
+                             num_completion_tokens_reported=reported, tokens_source=source)
+
+    def reported_count(self, outs: list[CompletionOutput]) -> tuple[int | None, str]:
+        """The completion count to bill and where it came from: the backend's, when it is an integer in
+        [0, n × max_tokens]; else our tokenizer's, clamped to that bound (and the report kept in `refused`)."""
+        reported = self.usage.get("completion_tokens") if self.usage else None
+        if reported is None:
+            return None, "tokenizer"
+        if _is_int(reported) and 0 <= reported <= self.max_completion_tokens:
+            return reported, "backend"
+        self.refused = reported if _is_int(reported) else str(reported)[:40]
+        return min(sum(len(c.token_ids) for c in outs), self.max_completion_tokens), REFUSED_SOURCE
 
     def final(self) -> RequestOutput:
         for c in self.outputs.values():

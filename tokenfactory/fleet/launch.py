@@ -1,9 +1,10 @@
 """Building a fleet from `serve`'s flags: N local processes or Ray actors of the model, and external backends.
 
 `--replicas N` alone starts N local processes; with `--ray [ADDRESS]` they are Ray actors (a local Ray when
-no address is given). Each `--backend URL[,model=NAME][,device=PROFILE][,key=API_KEY]` adds an external
-OpenAI-compatible server serving the same model. Replicas start in parallel, each with its share of the
-machine's cores unless `--threads` says otherwise.
+no address is given). Each `--backend URL[,model=NAME][,device=PROFILE][,key_file=PATH|key_env=VAR|key=KEY]`
+adds an external OpenAI-compatible server serving the same model (its key from a file or an environment
+variable keeps it out of `ps`; a URL's `user:password@` is sent as basic auth and shown as `***@`).
+Replicas start in parallel, each with its share of the machine's cores unless `--threads` says otherwise.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ import concurrent.futures
 import logging
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tokenfactory.engine.client import EngineClient
-from tokenfactory.fleet.backend import HTTPBackend
+from tokenfactory.fleet.backend import HTTPBackend, redact_url, split_credentials
 from tokenfactory.fleet.energy import BackendEnergy
 from tokenfactory.fleet.fleet import Replica
 from tokenfactory.types import ParameterError
@@ -32,26 +34,64 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class BackendSpec:
-    url: str
+    url: str  # without credentials (a URL's user:password@ is `basic_auth`)
     model: str | None = None  # its model's name in its API (default: the fleet's served name)
     device: str | None = None  # a catalog device (h100, a100, ...): its watts model the energy
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
     tokenizer: str | None = None  # a GGUF file or HF folder: its model's tokenizer, for a model we do not run
     served: str | None = None  # our API's name for its model (default: --model's; with tokenizer=, `model`)
+    basic_auth: tuple[str, str] | None = field(default=None, repr=False)
 
     @classmethod
     def parse(cls, text: str) -> BackendSpec:
-        """`URL[,model=NAME][,served=NAME][,device=PROFILE][,key=API_KEY][,tokenizer=PATH]`."""
+        """`URL[,model=NAME][,served=NAME][,device=PROFILE][,key_file=PATH|key_env=VAR|key=KEY][,tokenizer=PATH]`."""
         url, *options = [part.strip() for part in text.split(",")]
         if not url.startswith(("http://", "https://")):
-            raise ParameterError("backend", f"--backend needs an http(s) URL first, got {url!r}")
-        fields = _options("backend", options, {"model", "served", "device", "key", "tokenizer"})
-        return cls(url, fields.get("model"), fields.get("device"), fields.get("key"), fields.get("tokenizer"),
-                   fields.get("served"))
+            raise ParameterError("backend", f"--backend needs an http(s) URL first, got {redact_url(url)!r}")
+        fields = _options("backend", options, {"model", "served", "device", "key", "key_env", "key_file", "tokenizer"})
+        try:
+            url, basic_auth = split_credentials(url)
+        except ValueError as e:
+            raise ParameterError("backend", f"--backend {redact_url(url)}: not a URL ({e})") from None
+        return cls(url, fields.get("model"), fields.get("device"), backend_key(fields), fields.get("tokenizer"),
+                   fields.get("served"), basic_auth)
+
+    @property
+    def display_url(self) -> str:
+        return f"{self.url} (basic auth)" if self.basic_auth else self.url
 
     def group(self, default: str) -> str:
         """The served model it joins: `served=`, else another model's name (with its tokenizer), else ours."""
         return self.served or (self.model if self.tokenizer and self.model else default)
+
+
+def backend_key(fields: dict[str, str]) -> str | None:
+    """The backend's API key from `key_file=` (its first line), `key_env=` or `key=` (one of them)."""
+    given = [k for k in ("key", "key_env", "key_file") if k in fields]
+    if len(given) > 1:
+        raise ParameterError("backend", f"give the backend's key once: {' and '.join(g + '=' for g in given)} both set")
+    if "key_file" in fields:
+        path = Path(fields["key_file"]).expanduser()
+        try:
+            text = path.read_text().strip()
+        except OSError as e:
+            raise ParameterError("backend", f"key_file={path}: cannot read it ({e.strerror})") from None
+        key = text.splitlines()[0].strip() if text else ""
+        if not key:
+            raise ParameterError("backend", f"key_file={path} is empty")
+        if path.stat().st_mode & 0o077:
+            logger.warning("backend key file %s is readable by other users: chmod 600 it", path)
+        return key
+    if "key_env" in fields:
+        key = os.environ.get(fields["key_env"], "").strip()
+        if not key:
+            raise ParameterError("backend", f"key_env={fields['key_env']}: that environment variable is not set")
+        return key
+    if fields.get("key"):
+        logger.warning("--backend ...,key=...: the key is visible in `ps` to every user of this machine; "
+                       "prefer key_file=PATH or key_env=VAR")
+    return fields.get("key") or None
+
 
 
 @dataclass(frozen=True)
@@ -170,7 +210,8 @@ def backend_replicas(specs: Sequence[BackendSpec], served_name: str, info: Model
     replicas, energies = [], []
     for i, spec in enumerate(specs, first_index):
         name = f"b{i}"
-        client = HTTPBackend(name, spec.url, spec.model or spec.served or served_name, info, tokenizer, spec.api_key)
+        client = HTTPBackend(name, spec.url, spec.model or spec.served or served_name, info, tokenizer, spec.api_key,
+                             basic_auth=spec.basic_auth)
         power = catalog_power(spec.device) if spec.device else cpu_power(1)
         energy = BackendEnergy(name, power.busy_watts, power.scope, prices_for(spec.device))
         client.request_listeners.append(energy.on_request)
