@@ -151,3 +151,25 @@ def test_invoice_flags_are_checked(tmp_path, capsys):
     assert "--tenant" in capsys.readouterr().err
     assert main(["usage", "--data-dir", str(tmp_path), "--invoice", "--tenant", "a", "--month", "Nov"]) == 2
     assert "--month" in capsys.readouterr().err
+
+
+def test_tenants_with_dotted_names_get_their_own_private_files_named_by_month(tmp_path):
+    """Issue #25: `acme.eu` and `acme.us` both wrote invoice-...acme.csv (the name cut at its dot, no month)
+    with mode 0644 beside a 0600 ledger."""
+    ledger = Ledger.open(tmp_path / "data")
+    month = utc_now().strftime("%Y-%m")
+    ledger.record_many([LedgerRow(f"r-{t}", "m", "finished", 10, 5 * (i + 1), tenant=t)
+                        for i, t in enumerate(("acme.eu", "acme.us"))])
+    out = tmp_path / "out"
+    for tenant in ("acme.eu", "acme.us"):
+        assert main(["usage", "--data-dir", str(tmp_path / "data"), "--invoice", "--tenant", tenant,
+                     "--month", month, "--out", str(out)]) == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert names == [f"invoice-acme.{r}-{month}.{ext}" for r in ("eu", "us") for ext in ("csv", "html")]
+    assert {oct(p.stat().st_mode)[-3:] for p in out.iterdir()} == {"600"}
+    eu = list(csv.reader(io.StringIO((out / f"invoice-acme.eu-{month}.csv").read_text())))
+    assert ["acme.eu", month, "tokens", "completion (out)", "5", "tokens"] in eu
+    from tokenfactory.meter.invoice import invoice_stem
+
+    assert "/" not in invoice_stem("../../etc/x", month)
+    ledger.close()

@@ -22,9 +22,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import sqlalchemy as sa
 
+from tokenfactory.meter.paths import PRIVATE_FILE_MODE
 from tokenfactory.meter.prices import DEFAULT_PRICES_PATH, PRICES_ENV, load_price_table
 from tokenfactory.meter.schema import requests_table
 from tokenfactory.types import ParameterError
@@ -190,14 +192,28 @@ def invoice_html(invoice: Invoice) -> str:
     return env.from_string(HTML_TEMPLATE).render(inv=invoice)
 
 
+def invoice_stem(tenant: str, month: str) -> str:
+    """`invoice-<tenant>-<YYYY-MM>`: the whole tenant name (a dot in it is not a suffix) with anything a file
+    name must not hold ('/' among them) percent-encoded, so two tenants never share a file and none leaves the
+    directory."""
+    return f"invoice-{quote(tenant, safe='.-_')}-{month}"
+
+
 def write_invoice(invoice: Invoice, out_dir: Path) -> tuple[Path, Path]:
-    """invoice-<tenant>-<month>.csv and .html in `out_dir`."""
+    """invoice-<tenant>-<month>.csv and .html in `out_dir`, private (0600) like the ledger they come from."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = out_dir / f"invoice-{invoice.tenant}-{invoice.month}"
-    csv_path, html_path = stem.with_suffix(".csv"), stem.with_suffix(".html")
-    csv_path.write_text(invoice_csv(invoice))
-    html_path.write_text(invoice_html(invoice))
+    stem = invoice_stem(invoice.tenant, invoice.month)
+    csv_path, html_path = out_dir / f"{stem}.csv", out_dir / f"{stem}.html"
+    _write_private(csv_path, invoice_csv(invoice))
+    _write_private(html_path, invoice_html(invoice))
     return csv_path, html_path
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE_MODE)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        os.fchmod(f.fileno(), PRIVATE_FILE_MODE)  # a statement written before this rule was 0644
+        f.write(text)
 
 
 def summary(invoice: Invoice) -> dict[str, Any]:
