@@ -37,8 +37,18 @@ def error_response(status: int, message: str, type_: str, param: str | None = No
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+class BodyTooLarge(APIError):
+    """Raised from `receive` once a body passes the limit (whoever reads it: a route, the form parser)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(413, f"the request body is larger than the server's limit of {max_bytes} bytes",
+                         code="request_too_large")
+
+
 class BodySizeLimit:
-    """Refuse bodies over the limit with 413, by Content-Length or by counting a chunked body."""
+    """Refuse bodies over the limit with 413, by Content-Length or by counting a chunked body. Once a counted
+    body passes the limit, whatever the app answers (a form parser turns any exception into its own 400) is
+    replaced by the 413, so the client always learns why."""
 
     def __init__(self, app: Callable, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
@@ -51,18 +61,31 @@ class BodySizeLimit:
                                  "bytes", "invalid_request_error", code="request_too_large")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             return await too_big(scope, receive, send)
-        seen = 0
+        seen, over, answered = 0, False, False
 
         async def counting_receive() -> dict:
-            nonlocal seen
+            nonlocal seen, over
             message = await receive()
             seen += len(message.get("body", b""))
             if seen > self.max_bytes:
-                raise APIError(413, f"the request body is larger than the server's limit of {self.max_bytes} bytes",
-                               code="request_too_large")
+                over = True
+                raise BodyTooLarge(self.max_bytes)
             return message
 
-        await self.app(scope, counting_receive, send)
+        async def guarded_send(message: dict) -> None:
+            nonlocal answered
+            if not over:
+                await send(message)
+            elif not answered and message["type"] == "http.response.start":
+                answered = True
+                await too_big(scope, receive, send)  # the app's own answer is dropped
+
+        try:
+            await self.app(scope, counting_receive, guarded_send)
+        except BodyTooLarge:
+            pass
+        if over and not answered:
+            await too_big(scope, receive, send)
 
 
 def install_error_handlers(app: FastAPI, count: Callable[[int], None]) -> None:
