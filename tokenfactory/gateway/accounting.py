@@ -10,6 +10,10 @@ that takes longer than `write_timeout_s` is journalled instead; if it commits la
 request_id makes the replay add nothing. `settle` is idempotent per API request id: a second call (a
 client that disconnected while its row was being written, a fallback path) gets the first call's usage
 and writes nothing. `close()` at shutdown waits, bounded, for the writes in flight.
+
+A row can supersede an older aborted attempt at the same request id (meter/ledger.py: a batch line cut off
+by a restart and run again). `settle_request` returns that attempt's row with the usage, so the caller
+(`Settlement`) takes it out of the tenant's budget spend as the ledger took it out of the sums.
 """
 
 from __future__ import annotations
@@ -65,6 +69,15 @@ def merge_energy(api_request_id: str, parts: Sequence[RequestEnergy]) -> Request
         cost_usd=total("cost_usd"))
 
 
+@dataclass(frozen=True)
+class Settled:
+    """One API request settled: its usage fields, and the older aborted attempt its row superseded (None:
+    none, or not known because the row went to the journal)."""
+
+    usage: dict[str, object]
+    superseded: LedgerRow | None = None
+
+
 def usage_fields(energy: RequestEnergy) -> dict[str, object]:
     return {"energy_joules": energy.energy_joules, "energy_source": energy.energy_source,
             "energy_scope": energy.energy_scope, "energy_overhead_factor": energy.energy_overhead_factor,
@@ -80,9 +93,9 @@ class Accounting:
         self.meter, self.ledger, self.model_name, self.config = meter, ledger, model_name, config
         self._writes = concurrent.futures.ThreadPoolExecutor(config.num_ledger_threads, "ledger-write")
         self._journal_writes = concurrent.futures.ThreadPoolExecutor(1, "ledger-journal")
-        self._id_to_settlement: OrderedDict[str, asyncio.Future[dict[str, object]]] = OrderedDict()
+        self._id_to_settlement: OrderedDict[str, asyncio.Future[Settled]] = OrderedDict()
         self._in_flight_lock = threading.Lock()  # done-callbacks run on the pool's threads
-        self._in_flight: dict[concurrent.futures.Future[None], LedgerRow] = {}
+        self._in_flight: dict[concurrent.futures.Future[LedgerRow | None], LedgerRow] = {}
 
     async def settle(self, api_request_id: str, engine_ids: Sequence[str], finals: Sequence[RequestOutput | None],
                      status: str, tenant: str = "anonymous", model: str | None = None) -> dict[str, object]:
@@ -90,14 +103,20 @@ class Accounting:
         `finals[i]` is engine request i's last output (None if it never produced one). Only the first call
         for an `api_request_id` does the work; later ones return its usage. The work goes on if the caller
         is cancelled, so a client that leaves mid-write still gets its row, once."""
+        return dict((await self.settle_request(api_request_id, engine_ids, finals, status, tenant, model)).usage)
+
+    async def settle_request(self, api_request_id: str, engine_ids: Sequence[str],
+                             finals: Sequence[RequestOutput | None], status: str, tenant: str = "anonymous",
+                             model: str | None = None) -> Settled:
+        """`settle`, with the attempt the row superseded (a later call: the first call's `Settled`)."""
         settlement = self._id_to_settlement.get(api_request_id)
         if settlement is None:
             settlement = asyncio.ensure_future(self._settle(api_request_id, engine_ids, finals, status, tenant,
                                                             model or self.model_name))
             self._remember(api_request_id, settlement)
-        return dict(await asyncio.shield(settlement))
+        return await asyncio.shield(settlement)
 
-    def _remember(self, api_request_id: str, settlement: asyncio.Future[dict[str, object]]) -> None:
+    def _remember(self, api_request_id: str, settlement: asyncio.Future[Settled]) -> None:
         self._id_to_settlement[api_request_id] = settlement
         while len(self._id_to_settlement) > self.config.num_settled_remembered:
             oldest_id, oldest = next(iter(self._id_to_settlement.items()))
@@ -106,14 +125,14 @@ class Accounting:
             del self._id_to_settlement[oldest_id]
 
     async def _settle(self, api_request_id: str, engine_ids: Sequence[str], finals: Sequence[RequestOutput | None],
-                      status: str, tenant: str, model: str) -> dict[str, object]:
+                      status: str, tenant: str, model: str) -> Settled:
         parts = []
         for rid, out in zip(engine_ids, finals, strict=True):
             num_out = out.num_completion_tokens if out is not None else 0
             parts.append(self.meter.finish_request(rid, num_out))
         energy = merge_energy(api_request_id, parts)
-        await self._commit(self._row(energy, finals, status, tenant, model))
-        return usage_fields(energy)
+        superseded = await self._commit(self._row(energy, finals, status, tenant, model))
+        return Settled(usage_fields(energy), superseded)
 
     def _row(self, energy: RequestEnergy, finals: Sequence[RequestOutput | None], status: str,
              tenant: str, model: str) -> LedgerRow:
@@ -132,12 +151,12 @@ class Accounting:
             if arrivals and any(e is not None for e in ends) else None,
             replica="+".join(sorted({o.replica for o in done if o.replica is not None})) or None)
 
-    async def _commit(self, row: LedgerRow) -> None:
-        """The row in the database, or in the journal if the write is slow; never raises for the database."""
+    async def _commit(self, row: LedgerRow) -> LedgerRow | None:
+        """The row in the database (returning the older aborted attempt it superseded, if any), or in the
+        journal if the write is slow; never raises for the database."""
         write = self._submit(self._writes, self.ledger.record, row)
         try:
-            await asyncio.wait_for(asyncio.wrap_future(write), self.config.write_timeout_s)
-            return
+            return await asyncio.wait_for(asyncio.wrap_future(write), self.config.write_timeout_s)
         except TimeoutError:  # cancelled if it had not started; else it may still commit (harmlessly)
             reason = f"a ledger write took longer than {self.config.write_timeout_s:g} s"
         except Exception as e:  # noqa: BLE001 - record() keeps database errors; anything else must not fail a request
@@ -149,16 +168,17 @@ class Accounting:
         except TimeoutError:  # the disk is slow too: the journal thread still writes it, close() waits
             logger.warning("ledger: journalling %s takes longer than %g s", row.request_id,
                            self.config.write_timeout_s)
+        return None
 
-    def _submit(self, pool: concurrent.futures.ThreadPoolExecutor, fn: Callable[..., None], row: LedgerRow,
-                *args: str) -> concurrent.futures.Future[None]:
+    def _submit(self, pool: concurrent.futures.ThreadPoolExecutor, fn: Callable[..., LedgerRow | None],
+                row: LedgerRow, *args: str) -> concurrent.futures.Future[LedgerRow | None]:
         future = pool.submit(fn, row, *args)
         with self._in_flight_lock:
             self._in_flight[future] = row
         future.add_done_callback(self._done)
         return future
 
-    def _done(self, future: concurrent.futures.Future[None]) -> None:
+    def _done(self, future: concurrent.futures.Future[LedgerRow | None]) -> None:
         with self._in_flight_lock:
             self._in_flight.pop(future, None)
 

@@ -103,6 +103,17 @@ class Actual:
 
 
 @dataclass(frozen=True)
+class Credit:
+    """Use the ledger no longer counts: an older aborted attempt that a request's row superseded (meter/ledger.py),
+    recorded at `created_at` (naive UTC). It leaves the spend of the budget period it was in."""
+
+    tokens: int
+    joules: float | None
+    usd: float | None
+    created_at: dt.datetime
+
+
+@dataclass(frozen=True)
 class AdmissionSnapshot:
     """Admission's state at one instant (for /metrics and tests: everything returns to zero when idle)."""
 
@@ -175,13 +186,16 @@ class Reservation:
         None: the lowest slot still held. Repeated or late calls do nothing."""
         self._admission.leave_queue(self._holds, index)
 
-    def settle(self, finals: Sequence[RequestOutput | None], use: Mapping[str, Any]) -> None:
+    def settle(self, finals: Sequence[RequestOutput | None], use: Mapping[str, Any],
+               credit: Credit | None = None) -> None:
         """Actual use (model tokens from `finals`, joules and USD from the accounting's `use`) replaces
-        the reservation. Only the first of settle/cancel counts."""
-        self.settle_actual(actual_use(finals, use))
+        the reservation; `credit`: an earlier attempt the ledger no longer counts. Only the first of
+        settle/cancel counts."""
+        self.settle_actual(actual_use(finals, use), credit)
 
-    def settle_actual(self, actual: Actual) -> None:
-        self._release(actual, "settle")
+    def settle_actual(self, actual: Actual, credit: Credit | None = None) -> None:
+        if self._admission.release(self._holds, actual, "settle", credit):
+            self._finalizer.detach()
 
     def cancel(self) -> None:
         """The request never reached the engine: release everything and charge nothing."""
@@ -294,15 +308,17 @@ class Admission:
             holds.queued.discard(index)
             self._unqueue(holds.tenant.name, 1)
 
-    def release(self, holds: _Holds, actual: Actual | None, how: str) -> bool:
-        """Give back everything `holds` holds; `how`: settle (charge `actual`), cancel (charge nothing,
-        give back the requests/min slot too) or orphan (charge the whole reservation). False if it was
-        released already."""
+    def release(self, holds: _Holds, actual: Actual | None, how: str, credit: Credit | None = None) -> bool:
+        """Give back everything `holds` holds; `how`: settle (charge `actual`, less `credit`), cancel (charge
+        nothing, give back the requests/min slot too) or orphan (charge the whole reservation). False if it
+        was released already."""
         now = self.clock()
         with self.lock:
             if holds.released:
                 return False
             self._release_locked(holds, actual, how, now)
+            if credit is not None:
+                self._credit(holds.tenant.name, credit)
         return True
 
     def snapshot(self) -> AdmissionSnapshot:
@@ -471,6 +487,15 @@ class Admission:
         if actual is not None:
             used = {"tokens": float(actual.tokens), "joules": actual.joules, "usd": actual.usd}[state.budget.unit]
         state.spent += used if used is not None else holds.budget_reserved  # no measurement: the reservation
+
+    def _credit(self, name: str, credit: Credit) -> None:
+        """Take a superseded attempt out of the spend it was read into (only if it fell in the current period)."""
+        state = self.tenant_to_budget.get(name)
+        if state is None or not state.start <= credit.created_at < state.end:
+            return
+        used = {"tokens": float(credit.tokens), "joules": credit.joules, "usd": credit.usd}[state.budget.unit]
+        if used is not None:
+            state.spent = max(state.spent - used, 0.0)
 
     def _unqueue(self, name: str, count: int) -> None:
         if not count:

@@ -14,10 +14,17 @@ from collections.abc import Mapping
 
 from tokenfactory.engine.client import AddRequest
 from tokenfactory.gateway.accounting import Accounting
-from tokenfactory.gateway.admission import Reservation
+from tokenfactory.gateway.admission import Credit, Reservation
+from tokenfactory.meter.ledger import LedgerRow
 from tokenfactory.types import RequestOutput
 
 logger = logging.getLogger("tokenfactory.gateway.app")
+
+
+def credit_of(row: LedgerRow | None) -> Credit | None:
+    if row is None:
+        return None
+    return Credit(row.prompt_tokens + row.completion_tokens, row.energy_joules, row.cost_usd, row.created_at)
 
 
 class Settlement:
@@ -49,12 +56,16 @@ class Settlement:
 
     async def _settle(self, finals: list[RequestOutput | None], status: str) -> dict:
         extra: dict = {}
+        superseded = None
         try:
             if self.accounting is not None:
-                extra = await self.accounting.settle(self.request_id, [a.request_id for a in self.adds], finals,
-                                                     status, tenant=self.reservation.tenant, model=self.model)
+                settled = await self.accounting.settle_request(self.request_id, [a.request_id for a in self.adds],
+                                                               finals, status, tenant=self.reservation.tenant,
+                                                               model=self.model)
+                extra, superseded = dict(settled.usage), settled.superseded
         except Exception:  # noqa: BLE001 - the answer still goes out; the log says what went wrong
             logger.exception("settling request %s failed", self.request_id)
         finally:
-            self.reservation.settle(finals, extra)  # actual use replaces the reservation
+            # Actual use replaces the reservation; an earlier attempt this row superseded leaves the budget's spend.
+            self.reservation.settle(finals, extra, credit=credit_of(superseded))
         return extra

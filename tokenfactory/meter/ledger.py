@@ -16,9 +16,21 @@ how fast. Write through Ledger only (or call rebuild_rollup() after writing arou
 
 A row is never dropped and never counted twice (issue #13). `request_id` is unique, and inserts skip a
 request_id already present (INSERT ... ON CONFLICT DO NOTHING), adding to usage_daily only the rows
-really inserted. When the database refuses a write (read-only, disk full, locked, server gone), the row
-goes to the journal in the data directory (journal.py) and is replayed when the database is back, by a
-retry thread and at the next open; `status()` says whether rows are waiting and why. (Past 400 lines:
+really inserted.
+
+One row per request id, for the attempt that answered it (issue #25). A request id names one unit of
+billable work; work can be tried again under the same id (a batch line cut off by a server restart runs
+again at the next start). A row whose request id is present *supersedes* the present row when that row is
+`aborted` and the new one is not, or is a newer (by `created_at`) aborted attempt; otherwise it is skipped,
+as before. Superseding updates the row in place, moves the old values to `requests_superseded` (audit, never
+summed) and moves usage_daily from the old row's figures to the new one's in the same transaction, so
+invoices, `totals` and budgets read the same one truth. The outcome does not depend on the order rows
+arrive in (a journal replayed late, another process): a finished or failed row is final (of two, the first
+recorded), and an aborted one stands only until an answer or a newer attempt arrives.
+
+When the database refuses a write (read-only, disk full, locked, server gone), the row goes to the journal
+in the data directory (journal.py) and is replayed when the database is back, by a retry thread and at the
+next open; `status()` says whether rows are waiting and why. (Past 400 lines:
 the write path, its idempotent insert and the queries share the engine and the schema's invariants.)
 """
 
@@ -30,7 +42,7 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import sqlalchemy as sa
 
@@ -52,7 +64,7 @@ from tokenfactory.meter.paths import (
     resolve_data_dir,
 )
 from tokenfactory.meter.rollup import Part
-from tokenfactory.meter.schema import REQUEST_ID_INDEX, metadata, requests_table
+from tokenfactory.meter.schema import REQUEST_ID_INDEX, metadata, requests_table, superseded_table
 from tokenfactory.types import ParameterError
 
 if TYPE_CHECKING:
@@ -123,6 +135,26 @@ def row_for(energy: RequestEnergy, *, model: str, status: str, prompt_tokens: in
 
 
 _ROW_FIELDS = tuple(f.name for f in fields(LedgerRow))
+
+
+def supersedes(new: dict[str, Any], present: Any) -> bool:  # noqa: ANN401 - a row mapping
+    """Whether `new` replaces `present` (same request id): only an aborted row is ever replaced, by an answer
+    (finished, failed) or by a newer aborted attempt."""
+    if present["status"] != "aborted":
+        return False
+    return new["status"] != "aborted" or present["created_at"] < new["created_at"]
+
+
+class Inserted(NamedTuple):
+    """What one write took: rows inserted or superseding an older aborted attempt (or journalled), and the
+    (old, new) column values of each supersession."""
+
+    num_taken: int
+    superseded: list[tuple[dict[str, Any], dict[str, Any]]]
+
+    def superseded_row(self, request_id: str) -> LedgerRow | None:
+        old = next((o for o, n in self.superseded if n["request_id"] == request_id), None)
+        return LedgerRow(**old) if old is not None else None
 
 
 def row_values(row: LedgerRow) -> dict[str, Any]:
@@ -209,11 +241,12 @@ class Ledger:
     def journal_path(self) -> Path | None:
         return self._journal.file.path if self._journal.file is not None else None
 
-    def record(self, row: LedgerRow) -> None:
+    def record(self, row: LedgerRow) -> LedgerRow | None:
         """Insert and commit one row and its day's sums, once (a request_id already present is left as it
-        is). If the database refuses, the row is journalled and replayed later. Returns once the row is
-        durable in one or the other; never raises for the database's sake."""
-        self._write([row_values(row)])
+        is, unless it holds an older aborted attempt, which this row supersedes). If the database refuses,
+        the row is journalled and replayed later. Returns once the row is durable in one or the other, with
+        the row it superseded (None: new, skipped or journalled); never raises for the database's sake."""
+        return self._write([row_values(row)]).superseded_row(row.request_id)
 
     def record_many(self, rows: Iterable[LedgerRow], batch_size: int = 10_000) -> int:
         """Bulk insert (one transaction per batch). Returns the rows taken: inserted or journalled (a
@@ -222,9 +255,9 @@ class Ledger:
         for row in rows:
             batch.append(row_values(row))
             if len(batch) >= batch_size:
-                written += self._write(batch)
+                written += self._write(batch).num_taken
                 batch = []
-        return written + (self._write(batch) if batch else 0)
+        return written + (self._write(batch).num_taken if batch else 0)
 
     def journal(self, row: LedgerRow, reason: str) -> None:
         """Journal `row` without trying the database (a write that took too long: if it commits late,
@@ -240,7 +273,7 @@ class Ledger:
         Raises what the database raises while it still refuses."""
         return self._journal.replay()
 
-    def _write(self, batch: list[dict[str, Any]]) -> int:
+    def _write(self, batch: list[dict[str, Any]]) -> Inserted:
         if self._journal.refusing:  # it refused the last attempt: spare it (and the caller) till a replay works
             reason = self._journal.status().reason or "the database refused an earlier write"
         else:
@@ -250,23 +283,55 @@ class Ledger:
                 reason = describe_failure(e)
                 logger.warning("ledger: a write failed (%s: %s)", type(e).__name__, driver_message(e))
         self._journal.journal(batch, reason)
-        return len(batch)
+        return Inserted(len(batch), [])
 
-    def _insert(self, batch: list[dict[str, Any]]) -> int:
-        """Insert the rows whose request_id is new, and add only those to the daily sums; returns how
-        many were inserted. Raises the database's error."""
-        batch = list({v["request_id"]: v for v in reversed(batch)}.values())[::-1]  # first of each id
+    def _insert(self, batch: list[dict[str, Any]]) -> Inserted:
+        """Insert the rows whose request_id is new, let the others supersede older aborted attempts, and
+        move the daily sums by exactly what changed. Raises the database's error."""
+        id_to_row: dict[str, dict[str, Any]] = {}
+        for values in batch:  # one row per id, chosen by the same rule as against the database
+            present = id_to_row.get(values["request_id"])
+            if present is None or supersedes(values, present):
+                id_to_row[values["request_id"]] = values
+        batch = list(id_to_row.values())
         try:
             with self._engine.begin() as conn:
                 fresh = self._insert_new(conn, batch)
-                if self._rollup and fresh:
-                    rollup.upsert(conn, rollup.deltas(fresh))
+                taken = {v["request_id"] for v in fresh}
+                conflicts = [v for v in batch if v["request_id"] not in taken]
+                superseded = self._supersede(conn, conflicts) if conflicts else []
+                if self._rollup and (fresh or superseded):
+                    removed = rollup.deltas([old for old, _ in superseded], -1)
+                    rollup.upsert(conn, rollup.merge(rollup.deltas(fresh + [new for _, new in superseded]) + removed))
+                    rollup.prune(conn, removed)
         except (sa.exc.DataError, sa.exc.IntegrityError):
             raise  # the rows' fault, not the connection's
         except (sa.exc.SQLAlchemyError, OSError):
             self._engine.dispose()  # connections opened read-only, or to a server gone, are not reused
             raise
-        return len(fresh)
+        return Inserted(len(fresh) + len(superseded), superseded)
+
+    def _supersede(self, conn: sa.Connection, rows: list[dict[str, Any]]
+                   ) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+        """Rows whose request id holds an older aborted attempt replace it (see the module's docstring);
+        returns (old, new) column values of each replacement. The UPDATE re-checks the old row's state, so
+        a writer racing on the same id changes it at most once."""
+        t = requests_table
+        id_to_row = {v["request_id"]: v for v in rows}
+        stmt = sa.select(t).where(t.c.request_id.in_(list(id_to_row))).where(t.c.status == "aborted")
+        replaced = []
+        for present in conn.execute(stmt).mappings():
+            new = id_to_row.pop(present["request_id"], None)  # popped: once per id, even over old duplicates
+            if new is None or not supersedes(new, present):
+                continue  # the present attempt is the newer one: this row is the stale copy
+            done = conn.execute(sa.update(t).where(t.c.id == present["id"]).where(t.c.status == "aborted")
+                                .where(t.c.created_at == present["created_at"]).values(**new))
+            if done.rowcount != 1:
+                continue
+            old = {k: v for k, v in present.items() if k != "id"}
+            conn.execute(superseded_table.insert(), {**old, "superseded_at": utc_now()})
+            replaced.append((old, new))
+        return replaced
 
     def _insert_new(self, conn: sa.Connection, batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
         t = requests_table
@@ -293,13 +358,13 @@ class Ledger:
             except (TypeError, ValueError):
                 rejected.append(values)
         try:
-            return Replayed(self._insert(valid), rejected)
+            return Replayed(self._insert(valid).num_taken, rejected)
         except (sa.exc.DataError, sa.exc.IntegrityError):
             pass
         num_inserted = 0
         for values in valid:  # one of them is refused: find which
             try:
-                num_inserted += self._insert([values])
+                num_inserted += self._insert([values]).num_taken
             except (sa.exc.DataError, sa.exc.IntegrityError):
                 if not self.find(values["request_id"]):  # else a racing writer inserted it first: done
                     rejected.append(values)
@@ -368,6 +433,16 @@ class Ledger:
         stmt = sa.select(*columns).where(requests_table.c.request_id == request_id)
         with self._engine.connect() as conn:
             return [LedgerRow(**row._asdict()) for row in conn.execute(stmt)]
+
+    def find_many(self, request_ids: Iterable[str], chunk: int = 500) -> dict[str, LedgerRow]:
+        """The row of each of `request_ids` that has one, by id (an IN query per `chunk` ids)."""
+        columns = [c for c in requests_table.c if c.name != "id"]
+        ids, found = list(request_ids), {}
+        with self._engine.connect() as conn:
+            for start in range(0, len(ids), chunk):
+                stmt = sa.select(*columns).where(requests_table.c.request_id.in_(ids[start:start + chunk]))
+                found.update({r.request_id: LedgerRow(**r._asdict()) for r in conn.execute(stmt)})
+        return found
 
     def count(self) -> int:
         with self._engine.connect() as conn:

@@ -48,8 +48,9 @@ def supported(dialect_name: str) -> bool:
     return dialect_name in UPSERT_INSERTS
 
 
-def deltas(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Request rows (column dicts) summed per usage_daily key."""
+def deltas(rows: Iterable[dict[str, Any]], sign: int = 1) -> list[dict[str, Any]]:
+    """Request rows (column dicts) summed per usage_daily key; `sign` -1: what taking them out subtracts (a
+    superseded attempt, ledger.py)."""
     key_to_sums: dict[tuple[str, str, str, str], dict[str, Any]] = {}
     for row in rows:
         key = (row["created_at"].date().isoformat(), row["tenant"], row["model"], row["energy_source"] or NO_SOURCE)
@@ -64,6 +65,10 @@ def deltas(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
             if row[value_name] is not None:
                 sums[value_name] += row[value_name]
                 sums[count_name] += 1
+    if sign != 1:
+        for sums in key_to_sums.values():
+            for name in SUM_COLUMNS:
+                sums[name] *= sign
     return list(key_to_sums.values())
 
 
@@ -74,6 +79,28 @@ def upsert(conn: sa.Connection, sums: list[dict[str, Any]]) -> None:
         set_={name: usage_daily_table.c[name] + insert.excluded[name] for name in SUM_COLUMNS},
     )
     conn.execute(stmt, sums)
+
+
+def merge(sums: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Sums with the same key added into one (an upsert may touch each key once per statement)."""
+    key_to_sums: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for part in sums:
+        key = tuple(part[name] for name in KEY_COLUMNS)
+        if key not in key_to_sums:
+            key_to_sums[key] = dict(part)
+        else:
+            for name in SUM_COLUMNS:
+                key_to_sums[key][name] += part[name]
+    return list(key_to_sums.values())
+
+
+def prune(conn: sa.Connection, sums: list[dict[str, Any]]) -> None:
+    """Drop the keys of `sums` that no row counts any more (a day whose only row was superseded), so a day
+    with no request does not show as a group of zeros."""
+    t = usage_daily_table.c
+    for key in {tuple(s[name] for name in KEY_COLUMNS) for s in sums}:
+        conn.execute(usage_daily_table.delete().where(t.num_requests <= 0).where(
+            sa.and_(*(t[name] == value for name, value in zip(KEY_COLUMNS, key, strict=True)))))
 
 
 def rebuild(conn: sa.Connection) -> int:
