@@ -137,15 +137,15 @@ def start_gateway(engine: Any, data_dir: Path, *, auth: bool = False, max_waitin
 
     from tokenfactory.batch.routes import install_batch_routes
     from tokenfactory.engine.client import SetTenantWeight
-    from tokenfactory.gateway.accounting import Accounting
-    from tokenfactory.gateway.admin import Tenancy
-    from tokenfactory.gateway.admission import Admission
     from tokenfactory.gateway.app import ServerSettings, build_app
     from tokenfactory.gateway.limits import LimitSettings, wrap_app
     from tokenfactory.meter.attribution import Meter
     from tokenfactory.meter.ledger import LEDGER_FILENAME, Ledger
     from tokenfactory.meter.power import ConstantSource
     from tokenfactory.meter.prices import load_prices
+    from tokenfactory.service.accounting import Accounting
+    from tokenfactory.service.admission import Admission
+    from tokenfactory.service.tenancy import Tenancy
     from tokenfactory.tenants.store import TenantStore
 
     meter = Meter(ConstantSource(watts), engine.info.config, load_prices(None)).start()
@@ -158,13 +158,12 @@ def start_gateway(engine: Any, data_dir: Path, *, auth: bool = False, max_waitin
 
     def shutdown() -> None:
         engine.shutdown()
-        tenancy.shutdown()
         meter.close()
         accounting.close()
 
     settings = ServerSettings(served_model_name=model_name, max_waiting=max_waiting, max_body_bytes=max_body_bytes)
     app = build_app(engine, settings, accounting, on_shutdown=shutdown, tenancy=tenancy)
-    install_batch_routes(app, app.state.handler)
+    install_batch_routes(app, app.state.service)
     engine.start()
     limits, port = LimitSettings(), free_port()
     config = uvicorn.Config(wrap_app(app, limits), host="127.0.0.1", port=port, log_level="warning",

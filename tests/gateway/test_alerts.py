@@ -14,12 +14,12 @@ import yaml
 from tests.fake_engine import FAKE_MODEL_CONFIG
 from tests.gateway.test_dashboard import stats
 from tokenfactory.engine.client import SpeculativeMetrics
-from tokenfactory.gateway.admission import Admission
 from tokenfactory.gateway.metrics import ServerMetrics
 from tokenfactory.meter.attribution import Meter, MeterConfig
 from tokenfactory.meter.ledger import Ledger
 from tokenfactory.meter.power import ConstantSource
 from tokenfactory.meter.prices import load_prices
+from tokenfactory.service.admission import Admission
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 RULES, RULE_TESTS = DEPLOY / "prometheus" / "alerts.yml", DEPLOY / "prometheus" / "alerts_test.yml"

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from tokenfactory.gateway.admission import Admission
-from tokenfactory.gateway.auth import KeyAuthenticator, Refusal, StoreExecutor
+from tokenfactory.gateway.auth import KeyAuthenticator, StoreExecutor
 from tokenfactory.meter.ledger import Ledger, LedgerRow, utc_now
+from tokenfactory.service.admission import Admission
+from tokenfactory.service.errors import Refusal
 from tokenfactory.tenants.store import Budget, Tenant, TenantStore
 
 

@@ -305,7 +305,8 @@ def test_admin_pages_share_one_ledger_read_per_interval():
 
     now = [100.0]
     engine = FakeEngineClient()
-    dashboard = Dashboard(engine, ServerMetrics(engine, "m"), None, SimpleNamespace(), tenants_interval_s=5.0,
+    dashboard = Dashboard(engine, ServerMetrics(engine, "m"), None, SimpleNamespace(), SimpleNamespace(),
+                          tenants_interval_s=5.0,
                           rollup_interval_s=None, clock=lambda: now[0])
     calls = []
     dashboard.tenant_view = lambda: calls.append(now[0]) or {"tenants": [], "recent": [], "n": len(calls)}

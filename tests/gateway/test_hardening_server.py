@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.server_util import start_server
-from tokenfactory.gateway.settlement import Settlement
+from tokenfactory.service.settlement import Settlement
 
 MODEL = "SmolLM2-135M-Instruct"
 

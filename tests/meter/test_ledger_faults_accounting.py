@@ -12,7 +12,6 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from tests.meter.test_ledger_faults import lock_held, wait_until
-from tokenfactory.gateway.accounting import Accounting, AccountingConfig
 from tokenfactory.gateway.metrics import LedgerCollector
 from tokenfactory.meter.attribution import Meter, MeterConfig
 from tokenfactory.meter.journal import JournalFile
@@ -20,6 +19,7 @@ from tokenfactory.meter.ledger import Ledger, LedgerConfig, LedgerRow
 from tokenfactory.meter.paths import journal_path, ledger_path
 from tokenfactory.meter.power import ConstantSource
 from tokenfactory.meter.prices import load_prices
+from tokenfactory.service.accounting import Accounting, AccountingConfig
 from tokenfactory.types import CompletionOutput, RequestMetrics, RequestOutput, SequenceWork, StepStats
 
 
@@ -60,11 +60,11 @@ def test_settle_twice_for_one_id_writes_one_row(tmp_path: Path) -> None:
         return [first, again, *both, later]
 
     first, again, both_a, both_b, later = asyncio.run(main())
-    assert first == again and both_a == both_b and later["energy_joules"] is not None
+    assert first == again and both_a == both_b and later.energy_joules is not None
     for api_id in ("api-1", "api-2", "api-3"):
         [stored] = ledger.find(api_id)
         assert stored.status == "finished" and stored.completion_tokens == 2 and stored.prompt_tokens == 4
-    assert ledger.find("api-1")[0].energy_joules == pytest.approx(first["energy_joules"])
+    assert ledger.find("api-1")[0].energy_joules == pytest.approx(first.energy_joules)
     assert ledger.status().num_journalled_total == 0
     accounting.close()
 
@@ -90,7 +90,7 @@ def test_a_held_lock_does_not_hold_the_client(tmp_path: Path) -> None:
         assert s.degraded and s.reason == "a ledger write took longer than 0.2 s" and s.num_journalled_total == 2
         release()
     right = asyncio.run(expected.settle("api-1", ["e1"], [final("e1")], "finished"))
-    assert one == right and one["energy_joules"] == pytest.approx(two["energy_joules"])  # usage is correct
+    assert one == right and one.energy_joules == pytest.approx(two.energy_joules)  # usage is correct
     wait_until(lambda: not ledger.status().degraded)
     accounting.close()
     assert len(ledger.find("api-1")) == 1 and len(ledger.find("api-2")) == 1
@@ -110,7 +110,7 @@ def test_close_leaves_unwritten_rows_for_the_next_start(tmp_path: Path) -> None:
 
     with lock_held(ledger_path(tmp_path)):
         usage = asyncio.run(settle_and_close())
-    assert usage["energy_joules"] is not None
+    assert usage.energy_joules is not None
     assert JournalFile(journal_path(tmp_path)).count() >= 1  # the last replay could not take it
     reopened = Ledger.open(tmp_path)  # the next start
     [stored] = reopened.find("api-1")

@@ -11,10 +11,10 @@ import itertools
 import pytest
 import sqlalchemy as sa
 
-from tokenfactory.gateway.admission import Admission, Credit
 from tokenfactory.meter.invoice import make_invoice
 from tokenfactory.meter.ledger import Ledger, LedgerRow
 from tokenfactory.meter.schema import superseded_table
+from tokenfactory.service.admission import Admission, Credit
 from tokenfactory.tenants.store import Budget, Tenant
 from tokenfactory.types import CompletionOutput, RequestOutput
 

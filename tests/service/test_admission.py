@@ -9,9 +9,9 @@ import threading
 
 import pytest
 
-from tokenfactory.gateway.admission import Actual, Admission
-from tokenfactory.gateway.auth import Refusal
 from tokenfactory.meter.ledger import Ledger, LedgerRow
+from tokenfactory.service.admission import Actual, Admission
+from tokenfactory.service.errors import Refusal
 from tokenfactory.tenants.store import Budget, Tenant
 from tokenfactory.types import ParameterError
 

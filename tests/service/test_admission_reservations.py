@@ -12,8 +12,9 @@ import threading
 
 import pytest
 
-from tokenfactory.gateway.admission import Actual, Admission, AdmissionSnapshot, Reservation
-from tokenfactory.gateway.auth import Refusal
+from tokenfactory.meter.attribution import RequestEnergy
+from tokenfactory.service.admission import Actual, Admission, AdmissionSnapshot, Reservation
+from tokenfactory.service.errors import Refusal
 from tokenfactory.tenants.store import Budget, Tenant
 from tokenfactory.types import CompletionOutput, ParameterError, RequestOutput
 
@@ -167,7 +168,8 @@ def test_settle_counts_prompt_and_completion_tokens_of_every_final_and_the_meter
     a.admit(t, 10).settle_actual(Actual(10, 20.0, 0.01))  # a rate: 0.001 USD per model token
     r = a.admit(t, 100, num_prompts=2)
     out = RequestOutput("r-0", "hi", [1, 2, 3], [CompletionOutput(0, "abc", [4, 5], finish_reason="length")])
-    r.settle([out, None], {"energy_joules": 9.0, "cost_usd": 0.02})  # the second prompt never produced output
+    energy = RequestEnergy("r", 9.0, "constant", "system", 1.0, 9.0, 0.1, 1e9, 2, 2, 0.01, 0.01, 0.02)
+    r.settle([out, None], energy)  # the second prompt never produced output
     assert a.budget_status(t).spent == pytest.approx(0.03) and idle(a)
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from tests.fake_engine import FakeEngineClient
 from tests.server_util import start_gateway
-from tokenfactory.gateway.compression import SUMMARY_PREFIX, CompressionOptions, compress
+from tokenfactory.service.compression import SUMMARY_PREFIX, CompressionOptions, compress
 from tokenfactory.types import ParameterError
 
 
@@ -30,7 +30,7 @@ def run_compress(messages: list[dict], limit: int, options: CompressionOptions |
 
     async def summarize(old: list[dict], n: int):
         seen.append(old)
-        return "they talked", {"completion_tokens": 2}, "sum-1"
+        return "they talked", 2, "sum-1"
 
     return asyncio.run(compress(messages, limit_tokens=limit, options=options or CompressionOptions(summary_tokens=16),
                                 tokenize=tokenize, summarize=summarize)), seen

@@ -1,6 +1,6 @@
 """The Batch API's routes and object shapes (OpenAI's `FileObject`, `Batch`); the runner is batch.py.
 
-`install_batch_routes(app, handler)` adds the routes and the `BatchRunner` to the app's services, which the
+`install_batch_routes(app, service)` adds the routes and the `BatchRunner` to the app's services, which the
 app starts (resuming unfinished jobs) and stops with it. Without a ledger there is nowhere durable to keep jobs,
 so every route answers 404, as /v1/usage does. With auth, a tenant sees its own files and jobs; an admin
 key sees all.
@@ -18,7 +18,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Form, Request, UploadFile
 from fastapi.responses import Response
@@ -33,16 +33,15 @@ from tokenfactory.batch.runner import (
     batch_price_multiplier,
 )
 from tokenfactory.batch.store import BatchStore, JobTotals, new_id
-from tokenfactory.gateway.admin import Tenancy
-from tokenfactory.gateway.auth import ANONYMOUS_PRINCIPAL, Principal
-from tokenfactory.gateway.errors import APIError
+from tokenfactory.gateway.auth import principal_of
 from tokenfactory.meter.paths import resolve_data_dir
+from tokenfactory.service.call import ANONYMOUS_PRINCIPAL, Principal
+from tokenfactory.service.errors import APIError
+from tokenfactory.service.service import RequestService
+from tokenfactory.service.tenancy import Tenancy
 from tokenfactory.types import ParameterError
 
 logger = logging.getLogger(__name__)
-
-if TYPE_CHECKING:
-    from tokenfactory.gateway.serving import Handler  # which imports BatchSettings from here
 
 TIMESTAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at",
               "cancelled_at")
@@ -88,11 +87,11 @@ def batch_object(job: dict, totals: JobTotals, model: str, prices_path: str | No
     }
 
 
-def data_dir_of(handler: Handler) -> Path | None:
+def data_dir_of(service: RequestService) -> Path | None:
     """The server's data directory: where its ledger journals (Ledger.open puts the journal there)."""
-    if handler.accounting is None:
+    if service.accounting is None:
         return None
-    journal = handler.accounting.ledger.journal_path
+    journal = service.accounting.ledger.journal_path
     return journal.parent if journal is not None else resolve_data_dir(None)
 
 
@@ -105,24 +104,25 @@ def principal_lookup(tenancy: Tenancy) -> Any:  # noqa: ANN401 - Callable[[str],
     return principal_of
 
 
-def open_store(handler: Handler, directory: Path) -> BatchStore | None:
+def open_store(service: RequestService, directory: Path) -> BatchStore | None:
     """The jobs' store; a database that refuses its tables turns the Batch API off, never the server."""
-    assert handler.accounting is not None
+    assert service.accounting is not None
     try:
-        return BatchStore(handler.accounting.ledger.engine, directory)
+        return BatchStore(service.accounting.ledger.engine, directory)
     except (SQLAlchemyError, OSError) as e:
         logger.warning("the Batch API is off: its tables cannot be made in the ledger's database (%s)",
                        type(e).__name__ + ": " + str(e).splitlines()[0])
         return None
 
 
-def install_batch_routes(app: FastAPI, handler: Handler, settings: BatchSettings | None = None) -> BatchRunner | None:
+def install_batch_routes(app: FastAPI, service: RequestService,
+                         settings: BatchSettings | None = None) -> BatchRunner | None:
     """The routes; the runner to start and stop with the app (None without a ledger: routes answer 404)."""
-    directory = data_dir_of(handler)
-    store = open_store(handler, directory) if handler.accounting and directory else None
-    runner = (BatchRunner(handler, store, settings or BatchSettings(), principal_lookup(handler.tenancy))
+    directory = data_dir_of(service)
+    store = open_store(service, directory) if service.accounting and directory else None
+    runner = (BatchRunner(service, store, settings or BatchSettings(), principal_lookup(service.tenancy))
               if store is not None else None)
-    routes = _Routes(handler, store, runner)
+    routes = _Routes(service, store, runner)
     app.state.batches = runner
     if runner is not None:
         app.state.services.append(runner)
@@ -138,8 +138,8 @@ def install_batch_routes(app: FastAPI, handler: Handler, settings: BatchSettings
 
 
 class _Routes:
-    def __init__(self, handler: Handler, store: BatchStore | None, runner: BatchRunner | None) -> None:
-        self.handler, self._store, self.runner = handler, store, runner
+    def __init__(self, service: RequestService, store: BatchStore | None, runner: BatchRunner | None) -> None:
+        self.service, self._store, self.runner = service, store, runner
 
     @property
     def store(self) -> BatchStore:
@@ -149,8 +149,8 @@ class _Routes:
 
     def tenant_filter(self, request: Request) -> str | None:
         """The tenant whose files and jobs the caller may see (None: all of them)."""
-        principal = Tenancy.principal(request)
-        return None if principal.is_admin or not self.handler.tenancy.auth_on else principal.tenant.name
+        principal = principal_of(request)
+        return None if principal.is_admin or not self.service.tenancy.auth_on else principal.tenant.name
 
     def check_owner(self, request: Request, row: dict | None, what: str, name: str) -> dict:
         tenant = self.tenant_filter(request)
@@ -165,7 +165,7 @@ class _Routes:
         content = await file.read()
         if not content.strip():
             raise ParameterError("file", "the file is empty: upload JSONL, one request per line")
-        tenant = Tenancy.principal(request).tenant.name
+        tenant = principal_of(request).tenant.name
         row = await asyncio.to_thread(store.add_file, content, file.filename or "upload.jsonl", purpose, tenant)
         return file_object(row)
 
@@ -195,9 +195,9 @@ class _Routes:
         if source["purpose"] != "batch":
             raise ParameterError("input_file_id", f"file {body.input_file_id} has purpose {source['purpose']!r}, "
                                  "not 'batch'")
-        self.handler.check_alive()
+        self.service.check_alive(self.service.model(None))
         now = int(time.time())
-        job = {"batch_id": new_id("batch_"), "tenant": Tenancy.principal(request).tenant.name,
+        job = {"batch_id": new_id("batch_"), "tenant": principal_of(request).tenant.name,
                "endpoint": body.endpoint, "input_file_id": body.input_file_id,
                "completion_window": body.completion_window, "status": "validating", "created_at": now,
                "expires_at": now + WINDOW_TO_SECONDS[body.completion_window],
@@ -232,4 +232,4 @@ class _Routes:
         assert job is not None
         totals = await asyncio.to_thread(self.store.totals, batch_id)
         prices = self.runner.settings.prices_path if self.runner is not None else None
-        return batch_object(job, totals, self.handler.settings.served_model_name, prices)
+        return batch_object(job, totals, self.service.default_model, prices)

@@ -8,8 +8,9 @@ Routes (shapes as OpenAI's `FileObject` and `Batch`, so the official client work
     GET  /v1/batches/{id}            GET /v1/batches?after=&limit=                 POST /v1/batches/{id}/cancel
 
 Each input line is `{"custom_id", "method": "POST", "url": <the job's endpoint>, "body": {...}}`. A line
-runs through the same path as an HTTP request (`Handler.completions`/`chat`: validation, tokenization,
-the tenant's admission and `Reservation`, one `Settlement` -> one ledger row), as the job's tenant, in the
+runs through the request service as an HTTP request does (`RequestService.completions`/`chat`: validation,
+tokenization, the tenant's admission and `Reservation`, one `Settlement` -> one ledger row), as the job's
+tenant, in the
 batch priority band (the engine's scheduler makes it give way to other traffic within one step and keeps
 it a guaranteed share: engine/scheduler.py), with a request id derived from the job and line
 (`line_request_id`), so a line is billed once across restarts. A line that fails (malformed, a 400, a
@@ -31,20 +32,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import pydantic
-from starlette.requests import Request as StarletteRequest
 
 from tokenfactory.batch.store import BatchStore, LineResult, PendingLine, line_request_id, new_id
-from tokenfactory.gateway.auth import Principal, Refusal
-from tokenfactory.gateway.errors import APIError
-from tokenfactory.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from tokenfactory.gateway.render import result_body
 from tokenfactory.meter.prices import load_price_table
+from tokenfactory.service.call import Call, Principal
+from tokenfactory.service.errors import APIError, Cancelled, error_body
+from tokenfactory.service.protocol import ChatCompletionRequest, CompletionRequest
+from tokenfactory.service.results import CompletionResult, Usage
+from tokenfactory.service.service import RequestService
 from tokenfactory.types import BANDS, ParameterError
-
-if TYPE_CHECKING:
-    from tokenfactory.gateway.serving import Handler  # which imports BatchSettings from here
 
 logger = logging.getLogger(__name__)
 
@@ -67,11 +66,6 @@ class BatchSettings:
             raise ParameterError("max_lines_in_flight", f"must be >= 1, got {self.max_lines_in_flight}")
 
 
-def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
 def validation_error_body(e: pydantic.ValidationError) -> dict:
     err = e.errors()[0] if e.errors() else {}
     param = ".".join(str(p) for p in err.get("loc", ())) or None
@@ -82,43 +76,51 @@ def validation_error_body(e: pydantic.ValidationError) -> dict:
     return error_body(f"invalid value for {param}: {err.get('msg', 'invalid')}", param=param)
 
 
-async def call_route(handler: Handler, kind: str, body: dict, principal: Principal, request_id: str,
-                     cancelled: Callable[[], bool]) -> tuple[int, dict] | None:
-    """One line through the route's own path, answered as (status, body); None if `cancelled()` stopped
-    it (its engine request aborted, its ledger row written as aborted). The request is a real Starlette
-    one whose state carries what auth and the batch add (principal, request id, priority band) and whose
-    client "disconnects" when the job is cancelled."""
-    async def receive() -> dict:
-        return {"type": "http.disconnect"} if cancelled() else {"type": "http.request", "body": b""}
+@dataclass(frozen=True)
+class LineAnswer:
+    """One line's outcome: OpenAI's status and body, and the typed usage when it succeeded."""
 
-    state = {"principal": principal, "request_id": request_id, "priority": BANDS["batch"]}
-    request = StarletteRequest({"type": "http", "method": "POST", "headers": [], "query_string": b"",
-                                "path": "/v1/chat/completions" if kind == "chat" else "/v1/completions",
-                                "state": state}, receive)
+    status: int
+    body: dict
+    usage: Usage | None = None
+
+
+async def call_route(service: RequestService, kind: str, body: dict, principal: Principal, request_id: str,
+                     cancelled: Callable[[], bool]) -> LineAnswer | None:
+    """One line through the request service as its tenant, in the batch band, with its durable request id;
+    None if `cancelled()` stopped it (its engine request aborted, its ledger row written as aborted)."""
+    call = Call(principal, request_id, BANDS["batch"])
+    watcher = asyncio.ensure_future(_watch(cancelled, call))
     try:
         if body.get("stream"):
             raise ParameterError("stream", "a batch line cannot stream: remove stream (the output file has the answer)")
         if kind == "chat":
-            response = await handler.chat(ChatCompletionRequest.model_validate(body), request)
+            result = await service.chat(call, ChatCompletionRequest.model_validate(body))
         else:
-            response = await handler.completions(CompletionRequest.model_validate(body), request)
-    except asyncio.CancelledError:
-        if cancelled():
-            return None
-        raise
-    except APIError as e:
-        return e.status, error_body(e.message, e.type, e.param, e.code)
-    except Refusal as e:
-        return e.status, e.error()
+            result = await service.completions(call, CompletionRequest.model_validate(body))
+        assert isinstance(result, CompletionResult)  # stream is refused above
+    except Cancelled:
+        return None
+    except APIError as e:  # Refusal is one
+        return LineAnswer(e.status, e.error())
     except ParameterError as e:
-        return 400, error_body(str(e), param=e.param)
+        return LineAnswer(400, error_body(str(e), param=e.param))
     except pydantic.ValidationError as e:
-        return 400, validation_error_body(e)
+        return LineAnswer(400, validation_error_body(e))
     except Exception:  # noqa: BLE001 - one line fails alone, as one HTTP request would (the log has why)
         logger.exception("batch line %s failed", request_id)
-        return 500, error_body("internal server error; the server's log has the details", "server_error",
-                               code="internal_error")
-    return response.status_code, json.loads(bytes(response.body))
+        return LineAnswer(500, error_body("internal server error; the server's log has the details", "server_error",
+                                          code="internal_error"))
+    finally:
+        watcher.cancel()
+    return LineAnswer(200, result_body(result), result.usage)
+
+
+async def _watch(cancelled: Callable[[], bool], call: Call, interval_s: float = 0.25) -> None:
+    """Set the call's cancel signal once the job is cancelled or expires."""
+    while not cancelled():
+        await asyncio.sleep(interval_s)
+    call.cancelled.set()
 
 
 def parse_line(number: int, text: str, endpoint: str) -> PendingLine | tuple[int, str | None, dict]:
@@ -143,29 +145,29 @@ def parse_line(number: int, text: str, endpoint: str) -> PendingLine | tuple[int
     return PendingLine(number, custom_id, item["body"])
 
 
-def line_result(request_id: str, line: PendingLine, status: int, body: dict, ledger_row: Any | None  # noqa: ANN401
-                ) -> LineResult:
+def line_result(request_id: str, line: PendingLine, answer: LineAnswer) -> LineResult:
     """The stored outcome: OpenAI's output-line shape, and the usage the job's totals sum."""
     out = {"id": f"batch_req_{request_id}", "custom_id": line.custom_id,
-           "response": {"status_code": status, "request_id": request_id, "body": body}, "error": None}
-    if status != 200:
+           "response": {"status_code": answer.status, "request_id": request_id, "body": answer.body}, "error": None}
+    usage = answer.usage
+    if answer.status != 200 or usage is None:
         return LineResult("error", out)
-    usage = body.get("usage") or {}
-    return LineResult("done", out, prompt_tokens=usage.get("prompt_tokens", 0),
-                      completion_tokens=usage.get("completion_tokens", 0),
-                      cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
-                      energy_joules=usage.get("energy_joules"), energy_source=usage.get("energy_source"),
-                      cost_usd=usage.get("cost_usd"),
-                      device_seconds=ledger_row.device_seconds if ledger_row is not None else 0.0)
+    energy = usage.energy
+    return LineResult("done", out, prompt_tokens=usage.num_prompt_tokens, completion_tokens=usage.num_completion_tokens,
+                      cached_tokens=usage.num_cached_tokens,
+                      energy_joules=energy.energy_joules if energy is not None else None,
+                      energy_source=energy.energy_source if energy is not None else None,
+                      cost_usd=energy.cost_usd if energy is not None else None,
+                      device_seconds=energy.device_seconds if energy is not None else 0.0)
 
 
 class BatchRunner:
     """Runs jobs on the server's event loop: one task per job, lines limited server-wide."""
 
-    def __init__(self, handler: Handler, store: BatchStore, settings: BatchSettings,
+    def __init__(self, service: RequestService, store: BatchStore, settings: BatchSettings,
                  principal_of: Callable[[str], Principal | None]) -> None:
         """`principal_of(tenant)`: whom a resumed job runs as (None: the tenant is gone; its lines fail)."""
-        self.handler, self.store, self.settings, self.principal_of = handler, store, settings, principal_of
+        self.service, self.store, self.settings, self.principal_of = service, store, settings, principal_of
         self.tasks: dict[str, asyncio.Task] = {}
         self.cancelled: set[str] = set()
         self.stopping = False  # shutdown: no line starts; those in flight may finish (stop_grace_s)
@@ -282,14 +284,14 @@ class BatchRunner:
         request_id = line_request_id(batch_id, line.line)
         while True:
             if principal is None:
-                answer: tuple[int, dict] | None = (403, error_body(
+                answer: LineAnswer | None = LineAnswer(403, error_body(
                     "the tenant that submitted this batch no longer exists", "permission_error",
                     code="tenant_not_found"))
             else:
-                answer = await call_route(self.handler, kind, line.body, principal, request_id, cancelled)
+                answer = await call_route(self.service, kind, line.body, principal, request_id, cancelled)
             if answer is None:
                 return  # cancelled or expired: the line stays pending, not in the output
-            status, body = answer
+            status, body = answer.status, answer.body
             if status == 402:  # the tenant's budget ran out: the job stops with what it has
                 stop.append("budget")
                 return
@@ -301,12 +303,7 @@ class BatchRunner:
             await asyncio.sleep(self.settings.retry_s)
             if cancelled():
                 return
-        ledger_row = None
-        if status == 200 and self.handler.accounting is not None:
-            rows = await asyncio.to_thread(self.handler.accounting.ledger.find, request_id)
-            ledger_row = rows[0] if rows else None
-        await asyncio.to_thread(self.store.finish_line, batch_id, line.line,
-                                line_result(request_id, line, status, body, ledger_row))
+        await asyncio.to_thread(self.store.finish_line, batch_id, line.line, line_result(request_id, line, answer))
 
     async def finalize(self, job: dict, outcome: str) -> None:
         batch_id = job["batch_id"]

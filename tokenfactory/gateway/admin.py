@@ -1,15 +1,7 @@
-"""Tenancy in the server: authentication, admission, fair-share weights, scoped usage, /admin routes.
+"""Tenancy over HTTP: the auth middleware and the /admin routes (admission itself is the request service's,
+service/tenancy.py). `install_tenancy(app, tenancy, executor, count_error)` is the one call build_app makes.
 
-`Tenancy` is the one object app.py talks to:
-
-    install(app, count_error)        auth middleware, the Refusal handler, /admin routes (with --auth)
-    admit(request, request_id, worst_tokens, num_prompts=, model=) -> Reservation
-                                     principal -> limits checked, all of them reserved by one object
-                                     (gateway/admission.py: leave_queue, settle, cancel; see there)
-    usage_tenant(request, tenant)    whose usage the caller may read (None: everyone's)
-    shutdown()                       stop the tenant-store threads
-
-Store work (key lookups, /admin routes) runs on the tenancy's own bounded `StoreExecutor`.
+Store work (key lookups, /admin routes) runs on the gateway's own bounded `StoreExecutor`.
 
 /admin routes (an admin API key; JSON in and out; errors in OpenAI's shape):
 
@@ -28,84 +20,30 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, FastAPI
 from pydantic import BaseModel, ConfigDict
 
-from tokenfactory.gateway.admission import Admission, Reservation
-from tokenfactory.gateway.auth import (
-    ANONYMOUS_PRINCIPAL,
-    AuthMiddleware,
-    KeyAuthenticator,
-    Principal,
-    Refusal,
-    StoreExecutor,
-)
+from tokenfactory.gateway.auth import Auth, AuthMiddleware, KeyAuthenticator, StoreExecutor
 from tokenfactory.meter.ledger import utc_now
+from tokenfactory.service.tenancy import Tenancy
 from tokenfactory.tenants.cli import key_dict, parse_expires, tenant_dict
 from tokenfactory.tenants.store import Budget, Tenant, TenantStore
 from tokenfactory.types import ParameterError
 
 
-class Tenancy:
-    def __init__(self, store: TenantStore | None, admission: Admission | None = None,
-                 set_weight: Callable[[str, float], None] | None = None,
-                 executor: StoreExecutor | None = None) -> None:
-        """`store` None: auth off (everyone is "anonymous", standard priority, no limits). `set_weight`: how a
-        tenant's fair-share weight reaches the engine (a SetTenantWeight message through its client); sent
-        when a tenant's weight is first seen or changes."""
-        self.store = store
-        self.admission = admission if admission is not None else Admission()
-        self.executor = executor if executor is not None else StoreExecutor()
-        # The budget's spent-so-far is read in the auth thread, so that admit() never reads the ledger.
-        self.authenticator = KeyAuthenticator(store, self.admission.prime) if store is not None else None
-        self.set_weight = set_weight
-        self.tenant_to_weight_sent: dict[str, float] = {}
+def install_tenancy(app: FastAPI, tenancy: Tenancy, executor: StoreExecutor,
+                    count_error: Callable[[int], None]) -> Auth:
+    """The auth middleware (keys checked on `executor`, a budget's spent-so-far primed there too, so that
+    admission never reads the ledger on the event loop) and, with a tenant store, the /admin routes. A
+    `Refusal` is an APIError: errors.py renders it."""
+    store = tenancy.store
+    authenticator = KeyAuthenticator(store, tenancy.admission.prime) if store is not None else None
+    app.add_middleware(AuthMiddleware, authenticator=authenticator,  # type: ignore[arg-type]
+                       on_refusal=count_error, executor=executor)
 
-    @property
-    def auth_on(self) -> bool:
-        return self.authenticator is not None
-
-    def install(self, app: FastAPI, count_error: Callable[[int], None]) -> None:
-        app.add_middleware(AuthMiddleware, authenticator=self.authenticator,  # type: ignore[arg-type]
-                           on_refusal=count_error, executor=self.executor)
-
-        @app.exception_handler(Refusal)
-        async def refusal(_: Request, e: Refusal) -> JSONResponse:
-            count_error(e.status)
-            return JSONResponse(e.error(), status_code=e.status, headers=e.headers)
-
-        if self.store is not None:
-            app.include_router(admin_router(self.store, self.executor))
-
-    @staticmethod
-    def principal(request: Request) -> Principal:
-        return getattr(request.state, "principal", ANONYMOUS_PRINCIPAL)
-
-    def admit(self, request: Request, request_id: str, worst_tokens: int, *, num_prompts: int = 1,
-              model: str = "") -> Reservation:
-        """Check and reserve everything for the caller's tenant (raises Refusal or ParameterError, having
-        taken nothing). `worst_tokens`: Σ prompt + n × max_tokens over the request's prompts."""
-        tenant = self.principal(request).tenant
-        if self.set_weight is not None and self.tenant_to_weight_sent.get(tenant.name) != tenant.weight:
-            self.tenant_to_weight_sent[tenant.name] = tenant.weight
-            self.set_weight(tenant.name, tenant.weight)
-        return self.admission.admit(tenant, worst_tokens, num_prompts=num_prompts, model=model,
-                                    request_id=request_id)
-
-    def shutdown(self) -> None:
-        self.executor.shutdown()
-
-    def usage_tenant(self, request: Request, tenant: str | None) -> str | None:
-        """The tenant whose usage the caller may read: its own; an admin (or auth off) may pick any or all."""
-        principal = self.principal(request)
-        if principal.is_admin or not self.auth_on:
-            return tenant
-        if tenant is not None and tenant != principal.tenant.name:
-            raise Refusal(403, f"this API key belongs to tenant {principal.tenant.name} and may read only that "
-                          f"tenant's usage, not {tenant!r}", "permission_error", "usage_of_another_tenant",
-                          param="tenant")
-        return principal.tenant.name
+    if store is not None:
+        app.include_router(admin_router(store, executor))
+    return Auth(authenticator, executor)
 
 
 # -- /admin routes -----------------------------------------------------------------------------------------

@@ -1,42 +1,56 @@
-"""The OpenAI-compatible HTTP API on top of an engine client: the routes, and what wires them.
+"""The OpenAI-compatible HTTP API over the request service: the app, and what wires it.
 
-Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /v1/usage, GET /health,
-GET /metrics (and /admin/* with --auth, admin.py). The rest of the gateway is split by reason to change:
-serving.py (requests to engine requests and back), streaming.py (SSE a client cannot hold hostage),
-settlement.py (meter, ledger and reservations settled once), errors.py (OpenAI's error shape),
-protocol.py (request bodies and their ranges), admission.py and auth.py (who may, how much).
+Routes: the OpenAI ones (routes.py: models, completions, chat, usage), GET /health, GET /metrics, /admin/*
+with --auth (admin.py), /dashboard (dashboard.py), /fleet/* over a fleet (fleet_routes.py); the composition
+root adds the Batch API's (batch/routes.py). The HTTP side is split by reason to change: routes.py (a
+request to a `Call` and the service's typed result to OpenAI's shapes, render.py), streaming.py (SSE a client
+cannot hold hostage), errors.py (OpenAI's error shape), auth.py and admin.py (who is calling), limits.py
+(connections), metrics.py. What a request does — validation, admission, the engine, settlement — is the
+request service's (tokenfactory/service/).
 
-A request can only fail itself: its values are checked where they enter (protocol.py), the engine fails a
-request that breaks a step alone (engine/faults.py), its reservations live in one `Reservation` and its
-meter, ledger and tenant accounting in one `Settlement`, each released exactly once on every way out, and
-a streaming client that stops reading is dropped after `stream_send_timeout_s` (streaming.py).
+A request can only fail itself: its values are checked where they enter (service/protocol.py), the engine
+fails a request that breaks a step alone (engine/faults.py), its reservations live in one `Reservation` and
+its meter, ledger and tenant accounting in one `Settlement`, each released exactly once on every way out,
+and a streaming client that stops reading is dropped after `stream_send_timeout_s` (streaming.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Protocol
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tokenfactory.engine.client import EngineClient
 from tokenfactory.fleet.fleet import Fleet
 from tokenfactory.gateway import dashboard
-from tokenfactory.gateway.accounting import Accounting
-from tokenfactory.gateway.admin import Tenancy
-from tokenfactory.gateway.admission import Admission
+from tokenfactory.gateway.admin import install_tenancy
+from tokenfactory.gateway.auth import StoreExecutor
 from tokenfactory.gateway.errors import APIError, BodySizeLimit, install_error_handlers
 from tokenfactory.gateway.fleet_routes import fleet_down, install_fleet_routes
-from tokenfactory.gateway.metrics import ServerMetrics
-from tokenfactory.gateway.protocol import ChatCompletionRequest, CompletionRequest
-from tokenfactory.gateway.serving import Handler, ServerSettings
-from tokenfactory.gateway.settlement import Settlement
+from tokenfactory.gateway.metrics import LatencyObserver, ServerMetrics
+from tokenfactory.gateway.routes import install_openai_routes
 from tokenfactory.gateway.trust import LoopbackTrust, TrustSettings
+from tokenfactory.service.accounting import Accounting
+from tokenfactory.service.admission import Admission
+from tokenfactory.service.service import RequestService
+from tokenfactory.service.tenancy import Tenancy
 
-__all__ = ["APIError", "AppService", "ServerSettings", "Settlement", "build_app"]
+__all__ = ["APIError", "AppService", "ServerSettings", "build_app"]
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    served_model_name: str
+    max_waiting: int = 256  # requests queued beyond this are refused with 503 (service/admission.py enforces it)
+    max_body_bytes: int = 4 << 20
+    retry_after_s: int = 2
+    stream_send_timeout_s: float = 30.0  # a streaming client that takes no data this long is dropped
+    baseline: tuple[str, float] | None = None  # (bench run, its J/output token): /metrics for the regression alert
 
 
 class AppService(Protocol):
@@ -58,17 +72,20 @@ def build_app(engine: EngineClient, settings: ServerSettings, accounting: Accoun
     metrics = ServerMetrics(engine, settings.served_model_name,
                             accounting.meter if accounting else None, accounting.ledger if accounting else None,
                             admission=tenancy.admission, models=models, baseline=settings.baseline)
-    handler = Handler(engine, settings, metrics, accounting, tenancy, models)
+    service = RequestService({settings.served_model_name: engine, **(models or {})}, accounting, tenancy,
+                             LatencyObserver(metrics))
+    executor = StoreExecutor()  # the tenant store's own threads: key lookups and /admin routes
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        for service in app.state.services:  # the Batch API's runner resumes unfinished jobs here
-            await service.start()
+        for started in app.state.services:  # the Batch API's runner resumes unfinished jobs here
+            await started.start()
         yield
-        for service in reversed(app.state.services):
-            await service.stop()
-        await handler.drain()  # SIGTERM: every pending ledger row (aborted requests' too) is written first
+        for started in reversed(app.state.services):
+            await started.stop()
+        await service.drain()  # SIGTERM: every pending ledger row (aborted requests' too) is written first
         app.state.dashboard.close()
+        executor.shutdown()
         if on_shutdown is not None:
             on_shutdown()
 
@@ -76,14 +93,19 @@ def build_app(engine: EngineClient, settings: ServerSettings, accounting: Accoun
     # Started with the app, stopped before the pending ledger rows are drained: what the composition root adds
     # (serve/cli.py installs the Batch API, whose runner is one).
     app.state.services: list[AppService] = []
-    app.state.handler = handler
+    app.state.service = service
     app.state.metrics = metrics
-    install_error_handlers(app, lambda status: metrics.errors.labels(settings.served_model_name, str(status)).inc())
-    tenancy.install(app, lambda status: metrics.errors.labels(settings.served_model_name, str(status)).inc())
-    fleets = [s.engine for s in handler.models.values() if isinstance(s.engine, Fleet)]
+
+    def count_error(status: int) -> None:
+        metrics.errors.labels(settings.served_model_name, str(status)).inc()
+
+    install_error_handlers(app, count_error)
+    auth = install_tenancy(app, tenancy, executor, count_error)
+    fleets = [s.engine for s in service.models.values() if isinstance(s.engine, Fleet)]
     if fleets:  # /fleet/replicas and per-replica /metrics (fleet_routes.py)
         install_fleet_routes(app, fleets, metrics.registry, tenancy)
-    app.state.dashboard = dashboard.install(app, engine, metrics, accounting, tenancy)  # /dashboard (dashboard.py)
+    app.state.dashboard = dashboard.install(app, engine, metrics, accounting, tenancy, auth)  # /dashboard
+    install_openai_routes(app, service, settings.stream_send_timeout_s)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -94,7 +116,7 @@ def build_app(engine: EngineClient, settings: ServerSettings, accounting: Accoun
         if ledger is not None and ledger.degraded:  # serving goes on; rows wait in the journal
             return JSONResponse({"status": "degraded", "model": settings.served_model_name, "reason": ledger.reason,
                                  "ledger_rows_pending": ledger.num_pending})
-        down = {**{n: s.engine.dead_reason or "stopped" for n, s in handler.models.items() if not s.engine.is_alive},
+        down = {**{n: s.engine.dead_reason or "stopped" for n, s in service.models.items() if not s.engine.is_alive},
                 **{rid: why for fleet in fleets for rid, why in fleet_down(fleet).items()}}
         if down:  # serving goes on with the others
             return JSONResponse({"status": "degraded", "model": settings.served_model_name,
@@ -106,32 +128,8 @@ def build_app(engine: EngineClient, settings: ServerSettings, accounting: Accoun
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
-    async def list_models() -> dict:
-        return {"object": "list", "data": [{
-            "id": served.name, "object": "model", "created": int(handler.started), "owned_by": "tokenfactory",
-            "root": served.name, "max_model_len": served.engine.info.max_model_len,
-            "machine_profile": served.engine.info.machine_profile}  # engine/tuning.py: what this engine measured
-            for served in handler.models.values()]}
-
-    @app.get("/v1/usage")
-    async def usage(request: Request, since: str | None = None, group_by: str | None = None,
-                    tenant: str | None = None) -> dict:
-        if accounting is None:
-            raise APIError(404, "usage is not recorded by this server (it runs without a ledger)", "not_found_error")
-        return await handler.usage(since, group_by, tenancy.usage_tenant(request, tenant))
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await handler.completions(body, request)
-
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        return await handler.chat(body, request)
-
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)  # type: ignore[arg-type]
     if not tenancy.auth_on:  # outermost: a browser's cross-site request is refused before anything runs
         app.add_middleware(LoopbackTrust, settings=TrustSettings(tuple(allowed_hosts)),  # type: ignore[arg-type]
-                           on_refusal=lambda status: metrics.errors.labels(settings.served_model_name,
-                                                                           str(status)).inc())
+                           on_refusal=count_error)
     return app

@@ -25,7 +25,6 @@ The key itself is never logged, echoed or stored (the store keeps a salted HMAC)
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -33,44 +32,35 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import sqlalchemy as sa
+from starlette.requests import Request
 
-from tokenfactory.tenants.store import ADMIN_TENANT, Tenant, TenantStore
+from tokenfactory.service.call import ADMIN, ANONYMOUS_PRINCIPAL, Principal
+from tokenfactory.service.errors import Refusal
+from tokenfactory.tenants.store import Tenant, TenantStore
 
 T = TypeVar("T")
 AUTH_TIMEOUT_S = 2.0  # an indexed read answers in milliseconds; past this the database is stuck
 
-ANONYMOUS = Tenant("anonymous")
-ADMIN = Tenant(ADMIN_TENANT)
 PROTECTED_PREFIXES = ("/v1/", "/admin", "/fleet")
 INVALID_TOKEN = {"WWW-Authenticate": 'Bearer error="invalid_token"'}  # RFC 6750 §3
 
 
 @dataclass(frozen=True)
-class Principal:
-    """The caller: the tenant its requests run as, and what its key may do."""
+class Auth:
+    """How the gateway checks callers: the key authenticator (None with auth off) and the store's threads."""
 
-    tenant: Tenant
-    key_id: str | None  # None with auth off
-    is_admin: bool
+    authenticator: KeyAuthenticator | None
+    executor: StoreExecutor
+
+    async def principal(self, authorization: str | None) -> Principal:
+        if self.authenticator is None:
+            return ANONYMOUS_PRINCIPAL
+        return await self.executor.run(self.authenticator.authenticate, authorization)
 
 
-ANONYMOUS_PRINCIPAL = Principal(ANONYMOUS, None, is_admin=False)
-
-
-class Refusal(Exception):
-    """A request refused before any work, in OpenAI's error shape (raised by auth and admission)."""
-
-    def __init__(self, status: int, message: str, type_: str, code: str, headers: dict[str, str] | None = None,
-                 param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
-        self.headers = headers or {}
-
-    def error(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def body(self) -> bytes:
-        return json.dumps(self.error()).encode()
+def principal_of(request: Request) -> Principal:
+    """The caller the middleware found (anonymous with auth off)."""
+    return getattr(request.state, "principal", ANONYMOUS_PRINCIPAL)
 
 
 HOW_TO = ("send the header 'Authorization: Bearer <API key>' with a key made by `tokenfactory keys create "

@@ -31,15 +31,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, Response
 
 from tokenfactory.engine.client import EngineClient
-from tokenfactory.gateway.auth import Refusal
+from tokenfactory.gateway.auth import Auth
 from tokenfactory.gateway.dashboard_feed import DashboardFeed
 from tokenfactory.gateway.streaming import EventStream, sse
+from tokenfactory.service.errors import Refusal
 
 if TYPE_CHECKING:
-    from tokenfactory.gateway.accounting import Accounting
-    from tokenfactory.gateway.admin import Tenancy
     from tokenfactory.gateway.metrics import ServerMetrics
     from tokenfactory.meter.utilisation import UtilisationRecorder
+    from tokenfactory.service.accounting import Accounting
+    from tokenfactory.service.tenancy import Tenancy
 
 STATIC_DIR = Path(__file__).with_name("static")
 STATIC_FILES = {"dashboard.js": "text/javascript", "dashboard.css": "text/css",
@@ -50,10 +51,10 @@ NUM_RECENT_REQUESTS = 20
 
 class Dashboard:
     def __init__(self, engine: EngineClient, metrics: ServerMetrics, accounting: Accounting | None,
-                 tenancy: Tenancy, *, interval_s: float = 1.0, tenants_interval_s: float = 5.0,
+                 tenancy: Tenancy, auth: Auth, *, interval_s: float = 1.0, tenants_interval_s: float = 5.0,
                  send_timeout_s: float = 10.0, rollup_interval_s: float | None = 60.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.accounting, self.tenancy = accounting, tenancy
+        self.accounting, self.tenancy, self.auth = accounting, tenancy, auth
         self.tenants_interval_s, self.send_timeout_s = tenants_interval_s, send_timeout_s
         # One ledger read per interval however many admin pages are open: they share the latest view.
         self._tenants_lock = asyncio.Lock()
@@ -75,10 +76,8 @@ class Dashboard:
 
     async def authorize(self, request: Request) -> bool:
         """Whether the caller sees the admin (tenant) view; raises Refusal for those who may not watch."""
-        tenancy = self.tenancy
-        if tenancy.authenticator is not None:
-            principal = await tenancy.executor.run(tenancy.authenticator.authenticate,
-                                                   request.headers.get("authorization"))
+        if self.auth.authenticator is not None:
+            principal = await self.auth.principal(request.headers.get("authorization"))
             if not principal.is_admin:
                 raise Refusal(403, "the dashboard needs an admin API key (`tokenfactory keys create --admin`); "
                               "this key belongs to a tenant", "permission_error", "admin_only")
@@ -155,9 +154,9 @@ def is_loopback(host: str) -> bool:
 
 
 def install(app: FastAPI, engine: EngineClient, metrics: ServerMetrics, accounting: Accounting | None,
-            tenancy: Tenancy, **options: Any) -> Dashboard:  # noqa: ANN401 - Dashboard's keyword options
+            tenancy: Tenancy, auth: Auth, **options: Any) -> Dashboard:  # noqa: ANN401 - Dashboard's keyword options
     """The dashboard's routes on `app`; returns the Dashboard, whose close() the app's shutdown calls."""
-    dashboard = Dashboard(engine, metrics, accounting, tenancy, **options)
+    dashboard = Dashboard(engine, metrics, accounting, tenancy, auth, **options)
 
     @app.get("/dashboard", include_in_schema=False)
     async def page() -> FileResponse:

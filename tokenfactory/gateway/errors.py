@@ -1,6 +1,7 @@
 """Errors in OpenAI's shape, and the HTTP edge's own refusals.
 
-Every error leaves as {"error": {"message", "type", "param", "code"}}: `APIError` for the handlers' own,
+Every error leaves as {"error": {"message", "type", "param", "code"}}: `APIError` for the request service's
+own (service/errors.py; auth and admission's `Refusal` is one),
 `ParameterError` (a 400 naming the parameter), pydantic's validation errors (400, the field's path as
 `param`), Starlette's (404, 405, ...), and anything unexpected as a 500 that says only its id: the log
 has the rest, never the client (no SQL, no parameters, no paths). `BodySizeLimit` refuses bodies over
@@ -18,17 +19,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tokenfactory.service.errors import APIError, Cancelled
 from tokenfactory.types import ParameterError
 
+__all__ = ["APIError", "BodySizeLimit", "error_response", "install_error_handlers"]
+
 logger = logging.getLogger("tokenfactory.gateway.app")
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.headers = headers or {}
 
 
 def error_response(status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
@@ -95,6 +91,10 @@ def install_error_handlers(app: FastAPI, count: Callable[[int], None]) -> None:
     async def api_error(_: Request, e: APIError) -> JSONResponse:
         count(e.status)
         return error_response(e.status, e.message, e.type, e.param, e.code, e.headers)
+
+    @app.exception_handler(Cancelled)
+    async def cancelled(_: Request, e: Cancelled) -> JSONResponse:  # the client left: nobody reads this
+        return error_response(499, str(e), "invalid_request_error", code="client_closed_request")
 
     @app.exception_handler(ParameterError)
     async def parameter_error(_: Request, e: ParameterError) -> JSONResponse:

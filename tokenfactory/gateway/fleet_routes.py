@@ -17,9 +17,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from tokenfactory.fleet.fleet import Fleet, ReplicaStatus
-from tokenfactory.gateway.admin import Tenancy
+from tokenfactory.gateway.auth import principal_of
 from tokenfactory.gateway.dashboard import is_loopback
 from tokenfactory.gateway.errors import APIError
+from tokenfactory.service.tenancy import Tenancy
 
 P = "tokenfactory:"
 
@@ -85,7 +86,7 @@ def install_fleet_routes(app: FastAPI, fleets: Sequence[Fleet], registry: Collec
 
     def check_operator(request: Request) -> None:
         if tenancy.auth_on:
-            if not tenancy.principal(request).is_admin:
+            if not principal_of(request).is_admin:
                 raise APIError(403, "managing replicas needs an admin key", "permission_error")
             return
         if not is_loopback(request.client.host if request.client else ""):

@@ -9,6 +9,7 @@ per-request latencies are observed by the server when a request finishes.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
@@ -20,9 +21,10 @@ from tokenfactory.engine.client import EngineClient, EngineStats, SpeculativeMet
 from tokenfactory.meter.attribution import Meter
 from tokenfactory.meter.ledger import Ledger
 from tokenfactory.meter.utilisation import DeviceUsage, from_totals
+from tokenfactory.types import RequestOutput
 
 if TYPE_CHECKING:
-    from tokenfactory.gateway.admission import Admission
+    from tokenfactory.service.admission import Admission
 
 P = "tokenfactory:"
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -276,3 +278,38 @@ class ServerMetrics:
                                ["model_name", "finished_reason"], registry=self.registry)
         self.errors = Counter(P + "request_errors", "Requests refused or failed, by HTTP status.",
                               ["model_name", "status"], registry=self.registry)
+
+
+class LatencyObserver:
+    """The request service's observer (service.RequestObserver) that fills the latency histograms: per output
+    event the inter-token latency (spread over the tokens it carries), and once a request finishes its TTFT,
+    E2E, queue time, lengths and finish reasons. On the event loop only; `on_end` forgets a request."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self.request_id_to_last_output: dict[str, float] = {}
+
+    def on_output(self, model: str, out: RequestOutput) -> None:
+        now = time.monotonic()
+        new_tokens = sum(len(c.token_ids_delta) for c in out.outputs)
+        last = self.request_id_to_last_output.get(out.request_id)
+        if last is not None and new_tokens:
+            self.metrics.itl.labels(model).observe((now - last) / new_tokens)
+        self.request_id_to_last_output[out.request_id] = now
+        if out.finished:
+            self.request_id_to_last_output.pop(out.request_id, None)
+            self._finished(model, out)
+
+    def on_end(self, request_id: str) -> None:
+        self.request_id_to_last_output.pop(request_id, None)
+
+    def _finished(self, model: str, out: RequestOutput) -> None:
+        m, metrics = out.metrics, self.metrics
+        if m is not None:
+            for hist, value in ((metrics.ttft, m.ttft), (metrics.e2e, m.e2e_latency), (metrics.queue, m.queue_time)):
+                if value is not None:
+                    hist.labels(model).observe(value)
+        metrics.prompt_len.labels(model).observe(len(out.prompt_token_ids))
+        metrics.gen_len.labels(model).observe(sum(len(c.token_ids) for c in out.outputs))
+        for c in out.outputs:
+            metrics.success.labels(model, str(c.finish_reason)).inc()

@@ -1,37 +1,54 @@
-"""Engine outputs rendered as OpenAI response bodies and stream chunks (chat and legacy completions)."""
+"""The request service's typed results rendered in OpenAI's shapes: response bodies, stream chunks, usage.
+
+Used by the HTTP routes and by the Batch API, whose output file holds the same bodies.
+"""
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
 from typing import Any
 
-from tokenfactory.types import FinishReason, Logprob, RequestOutput
-
-
-@dataclass(frozen=True)
-class Choice:
-    index: int
-    text: str
-    finish_reason: FinishReason | None
-    logprobs: list[list[Logprob]] | None
+from tokenfactory.meter.attribution import RequestEnergy
+from tokenfactory.service.results import (
+    Choice,
+    ChoiceDelta,
+    CompletionResult,
+    CompletionStream,
+    StreamEnd,
+    StreamEvent,
+    StreamFailed,
+    StreamStart,
+    Usage,
+)
+from tokenfactory.types import FinishReason, Logprob
 
 
 def finish_reason(reason: FinishReason | None) -> str | None:
     return None if reason is None else str(reason)
 
 
-def usage_dict(finals: list[RequestOutput], extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    prompt = sum(len(o.prompt_token_ids) for o in finals)
-    completion = sum(o.num_completion_tokens for o in finals)
-    cached = sum(o.num_cached_tokens for o in finals)
-    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-             "prompt_tokens_details": {"cached_tokens": cached}}
-    sources = {o.tokens_source for o in finals if o.tokens_source is not None}
-    if sources:  # an external backend served it: whose counts these are
-        usage["tokens_source"] = "+".join(sorted(sources))
-    usage.update(extra or {})
-    return usage
+def energy_fields(energy: RequestEnergy) -> dict[str, Any]:
+    return {"energy_joules": energy.energy_joules, "energy_source": energy.energy_source,
+            "energy_scope": energy.energy_scope, "energy_overhead_factor": energy.energy_overhead_factor,
+            "facility_energy_joules": energy.facility_energy_joules,
+            "joules_per_output_token": energy.joules_per_output_token,
+            "cost_usd": energy.cost_usd, "cost_device_usd": energy.cost_device_usd,
+            "cost_energy_usd": energy.cost_energy_usd}
+
+
+def usage_body(usage: Usage) -> dict[str, Any]:
+    """OpenAI's usage object, with the energy and cost fields when the server meters (absent without a meter)."""
+    body: dict[str, Any] = {"prompt_tokens": usage.num_prompt_tokens, "completion_tokens": usage.num_completion_tokens,
+                            "total_tokens": usage.num_total_tokens,
+                            "prompt_tokens_details": {"cached_tokens": usage.num_cached_tokens}}
+    if usage.tokens_source is not None:  # an external backend served it: whose counts these are
+        body["tokens_source"] = usage.tokens_source
+    if usage.energy is not None:
+        body.update(energy_fields(usage.energy))
+    if (c := usage.compression) is not None:
+        body.update({"compressed_prompt_tokens": c.compressed_prompt_tokens,
+                     "compression_summary_tokens": c.summary_tokens,
+                     "compression_summary_request_id": c.summary_request_id})
+    return body
 
 
 def _token_bytes(token: str) -> list[int]:
@@ -65,85 +82,47 @@ def completion_logprobs(logprobs: list[list[Logprob]] | None, text_offset: int =
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
-class render_chat:  # noqa: N801 - a namespace of renderers, used like a function table
-    @staticmethod
-    def full(request_id: str, model: str, choices: list[Choice], usage: dict[str, Any]) -> dict[str, Any]:
-        return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-                "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                             "logprobs": chat_logprobs(c.logprobs), "finish_reason": finish_reason(c.finish_reason)}
-                            for c in choices],
-                "usage": usage}
-
-    @staticmethod
-    def _chunk(request_id: str, model: str, created: int, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": choices}
-
-    @staticmethod
-    def first_chunks(request_id: str, model: str, created: int, adds: list, echo: bool) -> list[dict[str, Any]]:
-        n = adds[0].params.n
-        return [render_chat._chunk(request_id, model, created, [
-            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
-            for i in range(n)]
-
-    @staticmethod
-    def delta_chunks(request_id: str, model: str, created: int, prompt_index: int, out: RequestOutput,
-                     finished_before: frozenset[int] = frozenset()) -> list[dict[str, Any]]:
-        """Chunks for what is new in `out`; `finished_before`: choices whose finish was already sent (an
-        output carries every choice of its request, finished ones too)."""
-        chunks = []
-        for c in out.outputs:
-            if c.index in finished_before or (not c.token_ids_delta and not c.text_delta and not c.finished):
-                continue
-            delta = {"content": c.text_delta} if c.text_delta or not c.finished else {}
-            chunks.append(render_chat._chunk(request_id, model, created, [{
-                "index": c.index, "delta": delta,
-                "logprobs": chat_logprobs(c.logprobs_delta) if c.logprobs_delta else None,
-                "finish_reason": finish_reason(c.finish_reason)}]))
-        return chunks
-
-    @staticmethod
-    def usage_chunk(request_id: str, model: str, created: int, usage: dict[str, Any]) -> dict[str, Any]:
-        return {**render_chat._chunk(request_id, model, created, []), "usage": usage}
+def _chat_choice(c: Choice) -> dict[str, Any]:
+    return {"index": c.index, "message": {"role": "assistant", "content": c.text},
+            "logprobs": chat_logprobs(c.logprobs), "finish_reason": finish_reason(c.finish_reason)}
 
 
-class render_completion:  # noqa: N801
-    @staticmethod
-    def full(request_id: str, model: str, choices: list[Choice], usage: dict[str, Any]) -> dict[str, Any]:
-        return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-                "choices": [{"index": c.index, "text": c.text, "logprobs": completion_logprobs(c.logprobs),
-                             "finish_reason": finish_reason(c.finish_reason)} for c in choices],
-                "usage": usage}
+def _text_choice(c: Choice) -> dict[str, Any]:
+    return {"index": c.index, "text": c.text, "logprobs": completion_logprobs(c.logprobs),
+            "finish_reason": finish_reason(c.finish_reason)}
 
-    @staticmethod
-    def _chunk(request_id: str, model: str, created: int, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-                "choices": choices}
 
-    @staticmethod
-    def first_chunks(request_id: str, model: str, created: int, adds: list, echo: bool) -> list[dict[str, Any]]:
-        if not echo:
-            return []
-        return [render_completion._chunk(request_id, model, created, [
-            {"index": i * add.params.n + k, "text": add.prompt or "", "logprobs": None, "finish_reason": None}])
-            for i, add in enumerate(adds) for k in range(add.params.n)]
+def result_body(result: CompletionResult) -> dict[str, Any]:
+    """A `chat.completion` or `text_completion` body."""
+    chat = result.kind == "chat"
+    return {"id": result.request_id, "object": "chat.completion" if chat else "text_completion",
+            "created": result.created, "model": result.model,
+            "choices": [(_chat_choice if chat else _text_choice)(c) for c in result.choices],
+            "usage": usage_body(result.usage)}
 
-    @staticmethod
-    def delta_chunks(request_id: str, model: str, created: int, prompt_index: int, out: RequestOutput,
-                     finished_before: frozenset[int] = frozenset()) -> list[dict[str, Any]]:
-        """Chunks for what is new in `out`; `finished_before`: choices whose finish was already sent (an
-        output carries every choice of its request, finished ones too)."""
-        chunks = []
-        n = len(out.outputs)
-        for c in out.outputs:
-            if c.index in finished_before or (not c.token_ids_delta and not c.text_delta and not c.finished):
-                continue
-            chunks.append(render_completion._chunk(request_id, model, created, [{
-                "index": prompt_index * n + c.index, "text": c.text_delta,
-                "logprobs": completion_logprobs(c.logprobs_delta) if c.logprobs_delta else None,
-                "finish_reason": finish_reason(c.finish_reason)}]))
-        return chunks
 
-    @staticmethod
-    def usage_chunk(request_id: str, model: str, created: int, usage: dict[str, Any]) -> dict[str, Any]:
-        return {**render_completion._chunk(request_id, model, created, []), "usage": usage}
+def stream_chunks(stream: CompletionStream, event: StreamEvent) -> list[dict[str, Any]]:
+    """The chunks one stream event becomes (an error event is `{"error": ...}`, as vLLM and OpenAI send it)."""
+    chat = stream.kind == "chat"
+    head = {"id": stream.request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": stream.created, "model": stream.model}
+    if isinstance(event, StreamStart):
+        if chat:
+            return [{**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None}]}
+                    for i, _ in event.choice_to_prefix]
+        return [{**head, "choices": [{"index": i, "text": prefix, "logprobs": None, "finish_reason": None}]}
+                for i, prefix in event.choice_to_prefix if event.echo]
+    if isinstance(event, ChoiceDelta):
+        if chat:
+            delta = {"content": event.text} if event.text or event.finish_reason is None else {}
+            choice = {"index": event.index, "delta": delta, "logprobs": chat_logprobs(event.logprobs),
+                      "finish_reason": finish_reason(event.finish_reason)}
+        else:
+            choice = {"index": event.index, "text": event.text, "logprobs": completion_logprobs(event.logprobs),
+                      "finish_reason": finish_reason(event.finish_reason)}
+        return [{**head, "choices": [choice]}]
+    if isinstance(event, StreamEnd):
+        return [{**head, "choices": [], "usage": usage_body(event.usage)}]
+    assert isinstance(event, StreamFailed)
+    return [{"error": {"message": event.message, "type": "server_error", "param": None, "code": event.code}}]

@@ -1,7 +1,7 @@
 """`tokenfactory batch run IN.jsonl --out OUT.jsonl`: an OpenAI Batch API file run offline, no server.
 
 The engine runs in this process, and the lines go through the same path as a server's batch job (the
-`Handler` and `BatchRunner` of batch/runner.py, over an in-process engine client instead of HTTP):
+request service and `BatchRunner` of batch/runner.py, over an in-process engine client instead of HTTP):
 the same validation, the same ledger rows (one per line, in --data-dir), the same output and error
 lines. The job's id is derived from the input file's path and bytes, so running the same command again
 after an interruption (Ctrl-C, a kill) resumes it: finished lines are not run, nor billed, again.
@@ -92,26 +92,23 @@ async def _run_job(args: argparse.Namespace, engine, accounting, name: str, sour
     from tokenfactory.batch.routes import data_dir_of
     from tokenfactory.batch.runner import BatchRunner, BatchSettings
     from tokenfactory.batch.store import BatchStore
-    from tokenfactory.gateway.admin import Tenancy
-    from tokenfactory.gateway.admission import Admission
-    from tokenfactory.gateway.auth import ANONYMOUS_PRINCIPAL
-    from tokenfactory.gateway.metrics import ServerMetrics
-    from tokenfactory.gateway.serving import Handler, ServerSettings
+    from tokenfactory.service.admission import Admission
+    from tokenfactory.service.call import ANONYMOUS_PRINCIPAL
+    from tokenfactory.service.service import RequestService
+    from tokenfactory.service.tenancy import Tenancy
 
-    settings = ServerSettings(served_model_name=name, max_waiting=max(256, 2 * args.max_lines_in_flight))
-    tenancy = Tenancy(None, Admission(accounting.ledger, max_waiting=settings.max_waiting))
-    metrics = ServerMetrics(engine, name, accounting.meter, accounting.ledger, admission=tenancy.admission)
-    handler = Handler(engine, settings, metrics, accounting, tenancy)
-    data_dir = data_dir_of(handler)
+    tenancy = Tenancy(None, Admission(accounting.ledger, max_waiting=max(256, 2 * args.max_lines_in_flight)))
+    service = RequestService({name: engine}, accounting, tenancy)
+    data_dir = data_dir_of(service)
     assert data_dir is not None
     store = BatchStore(accounting.ledger.engine, data_dir)
     batch_id = await asyncio.to_thread(_ensure_job, store, source, content, endpoint)
-    runner = BatchRunner(handler, store, BatchSettings(max_lines_in_flight=args.max_lines_in_flight,
+    runner = BatchRunner(service, store, BatchSettings(max_lines_in_flight=args.max_lines_in_flight,
                                                        prices_path=args.prices), lambda _tenant: ANONYMOUS_PRINCIPAL)
     if store.get_job(batch_id)["status"] in ("validating", "in_progress", "finalizing", "cancelling"):
         runner.submit(batch_id)
         await _progress(runner, store, batch_id, quiet=args.no_progress)
-    await handler.drain()
+    await service.drain()
     return await asyncio.to_thread(_write_files, store, batch_id, Path(args.out), args.errors, args.prices)
 
 

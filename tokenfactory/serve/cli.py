@@ -329,12 +329,12 @@ def load_checked(args: argparse.Namespace):  # noqa: ANN201 - (EngineConfig, Loa
 def build_accounting(args: argparse.Namespace, model_config, device_type: str, name: str):  # noqa: ANN001, ANN201
     from pathlib import Path
 
-    from tokenfactory.gateway.accounting import Accounting
     from tokenfactory.meter.attribution import Meter, MeterConfig
     from tokenfactory.meter.ledger import Ledger
     from tokenfactory.meter.power import PowerConfig
     from tokenfactory.meter.prices import load_prices
     from tokenfactory.meter.sources import choose_power_source
+    from tokenfactory.service.accounting import Accounting
 
     choice = choose_power_source(PowerConfig(source=args.power_source, constant_watts=args.power_watts,
                                              cpu_tdp_watts=args.cpu_tdp_watts,
@@ -554,7 +554,6 @@ def serve(args: argparse.Namespace) -> int:
         if started.autoscaling is not None:  # no replica starts or stops while the fleet shuts down
             started.autoscaling.stop()
         client.shutdown()
-        tenancy.shutdown()
         accounting.meter.close()
         accounting.close()
 
@@ -564,7 +563,7 @@ def serve(args: argparse.Namespace) -> int:
     tenancy, auth_line = build_tenancy(args, client, accounting)
     app = build_app(client, settings, accounting, on_shutdown=shutdown, tenancy=tenancy,
                     models=started.extra_models, allowed_hosts=args.allowed_host)
-    install_batch_routes(app, app.state.handler, BatchSettings(max_lines_in_flight=args.batch_lines_in_flight,
+    install_batch_routes(app, app.state.service, BatchSettings(max_lines_in_flight=args.batch_lines_in_flight,
                                                                prices_path=args.prices))  # /v1/files, /v1/batches
     if started.autoscaling is not None:  # GET /fleet/autoscaler, its /metrics, the TTFT feed
         from tokenfactory.serve.autoscale import install_autoscaler_routes
@@ -589,8 +588,8 @@ def build_tenancy(args: argparse.Namespace, client, accounting):  # noqa: ANN001
     """Auth (with --auth), admission limits and budgets, and the tenants' fair-share weights (sent to the
     engine through its client)."""
     from tokenfactory.engine.client import SetTenantWeight
-    from tokenfactory.gateway.admin import Tenancy
-    from tokenfactory.gateway.admission import Admission
+    from tokenfactory.service.admission import Admission
+    from tokenfactory.service.tenancy import Tenancy
     from tokenfactory.tenants.store import TenantStore
 
     def set_weight(tenant: str, weight: float) -> None:

@@ -123,7 +123,7 @@ class Tenant:
     budget: Budget | None = None
     created_at: dt.datetime | None = None
     # JSON object in the request's `context_compression` shape, used when a chat request does not say (e.g.
-    # '{"mode": "summarize", "summary_tokens": 256}'); the gateway validates the whole (gateway/compression.py).
+    # '{"mode": "summarize", "summary_tokens": 256}'); the gateway validates the whole (service/compression.py).
     context_compression: str | None = None
 
     def __post_init__(self) -> None:

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
 
 from tokenfactory.engine.client import AddRequest
-from tokenfactory.gateway.accounting import Accounting
-from tokenfactory.gateway.admission import Credit, Reservation
+from tokenfactory.meter.attribution import RequestEnergy
 from tokenfactory.meter.ledger import LedgerRow
+from tokenfactory.service.accounting import Accounting
+from tokenfactory.service.admission import Credit, Reservation
 from tokenfactory.types import RequestOutput
 
-logger = logging.getLogger("tokenfactory.gateway.app")
+logger = logging.getLogger(__name__)
 
 
 def credit_of(row: LedgerRow | None) -> Credit | None:
@@ -33,39 +33,35 @@ class Settlement:
     settling task, every later call awaits that same task, and cancelling a caller never cancels it."""
 
     def __init__(self, accounting: Accounting | None, pending: set[asyncio.Task], request_id: str,
-                 adds: list[AddRequest], reservation: Reservation, model: str | None = None,
-                 usage_extra: Mapping[str, object] | None = None) -> None:
+                 adds: list[AddRequest], reservation: Reservation, model: str | None = None) -> None:
         """`pending`: the server's set of unfinished settlements (what shutdown waits for); `model`: the
-        served model's name for its ledger row (None: the accounting's own); `usage_extra`: more usage fields
-        for the answer (context compression's)."""
+        served model's name for its ledger row (None: the accounting's own)."""
         self.accounting, self.pending, self.model = accounting, pending, model
-        self.usage_extra = dict(usage_extra or {})
         self.request_id, self.adds, self.reservation = request_id, adds, reservation
-        self.task: asyncio.Task | None = None
+        self.task: asyncio.Task[RequestEnergy | None] | None = None
 
-    async def settle(self, finals: list[RequestOutput | None], status: str) -> dict:
-        extra = await asyncio.shield(self.start(finals, status))
-        return {**extra, **self.usage_extra} if self.usage_extra else extra
+    async def settle(self, finals: list[RequestOutput | None], status: str) -> RequestEnergy | None:
+        """The request's energy and cost (None without a meter, or if settling failed)."""
+        return await asyncio.shield(self.start(finals, status))
 
-    def start(self, finals: list[RequestOutput | None], status: str) -> asyncio.Task:
+    def start(self, finals: list[RequestOutput | None], status: str) -> asyncio.Task[RequestEnergy | None]:
         if self.task is None:
             self.task = asyncio.ensure_future(self._settle(finals, status))
             self.pending.add(self.task)
             self.task.add_done_callback(self.pending.discard)
         return self.task
 
-    async def _settle(self, finals: list[RequestOutput | None], status: str) -> dict:
-        extra: dict = {}
-        superseded = None
+    async def _settle(self, finals: list[RequestOutput | None], status: str) -> RequestEnergy | None:
+        energy = superseded = None
         try:
             if self.accounting is not None:
                 settled = await self.accounting.settle_request(self.request_id, [a.request_id for a in self.adds],
                                                                finals, status, tenant=self.reservation.tenant,
                                                                model=self.model)
-                extra, superseded = dict(settled.usage), settled.superseded
+                energy, superseded = settled.energy, settled.superseded
         except Exception:  # noqa: BLE001 - the answer still goes out; the log says what went wrong
             logger.exception("settling request %s failed", self.request_id)
         finally:
             # Actual use replaces the reservation; an earlier attempt this row superseded leaves the budget's spend.
-            self.reservation.settle(finals, extra, credit=credit_of(superseded))
-        return extra
+            self.reservation.settle(finals, energy, credit=credit_of(superseded))
+        return energy

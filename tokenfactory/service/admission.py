@@ -50,10 +50,10 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType, TracebackType
-from typing import Any
 
-from tokenfactory.gateway.auth import Refusal
+from tokenfactory.meter.attribution import RequestEnergy
 from tokenfactory.meter.ledger import Ledger, utc_now
+from tokenfactory.service.errors import Refusal, retry_after
 from tokenfactory.tenants.store import Budget, Tenant
 from tokenfactory.types import ParameterError, RequestOutput
 
@@ -186,12 +186,12 @@ class Reservation:
         None: the lowest slot still held. Repeated or late calls do nothing."""
         self._admission.leave_queue(self._holds, index)
 
-    def settle(self, finals: Sequence[RequestOutput | None], use: Mapping[str, Any],
+    def settle(self, finals: Sequence[RequestOutput | None], energy: RequestEnergy | None,
                credit: Credit | None = None) -> None:
-        """Actual use (model tokens from `finals`, joules and USD from the accounting's `use`) replaces
-        the reservation; `credit`: an earlier attempt the ledger no longer counts. Only the first of
-        settle/cancel counts."""
-        self.settle_actual(actual_use(finals, use), credit)
+        """Actual use (model tokens from `finals`, joules and USD from the metered `energy`, None without a
+        meter) replaces the reservation; `credit`: an earlier attempt the ledger no longer counts. Only the
+        first of settle/cancel counts."""
+        self.settle_actual(actual_use(finals, energy), credit)
 
     def settle_actual(self, actual: Actual, credit: Credit | None = None) -> None:
         if self._admission.release(self._holds, actual, "settle", credit):
@@ -214,14 +214,12 @@ class Reservation:
             self.cancel()  # does nothing if it was settled already
 
 
-def actual_use(finals: Sequence[RequestOutput | None], use: Mapping[str, Any]) -> Actual:
+def actual_use(finals: Sequence[RequestOutput | None], energy: RequestEnergy | None) -> Actual:
     done = [o for o in finals if o is not None]
     tokens = sum(len(o.prompt_token_ids) + o.num_completion_tokens for o in done)
-    return Actual(tokens, use.get("energy_joules"), use.get("cost_usd"))
-
-
-def retry_after(seconds: float) -> dict[str, str]:
-    return {"Retry-After": str(max(1, math.ceil(seconds)))}
+    if energy is None:
+        return Actual(tokens, None, None)
+    return Actual(tokens, energy.energy_joules, energy.cost_usd)
 
 
 def limited(limit: str, code: str, message: str, wait_s: float) -> Refusal:

@@ -6,7 +6,7 @@ a summary the serving model (or a named one) writes, so a long conversation goes
 What is kept: every system (and developer) message, and the longest run of latest turns that fits beside the
 summary and the reply's max_tokens; what is replaced: the turns before that run, by one system message
 "Summary of the earlier conversation: ...". The summary is an ordinary chat completion sent through the same
-handler as the request (`Handler.serve`), so it is admitted, metered and written to the ledger as its own
+request service as the request (a call of its own), so it is admitted, metered and written to the ledger as its own
 row for the same tenant (request id `<id>-summary`), joules included. The response says what happened:
 `usage.compressed_prompt_tokens` (tokens of the turns that were replaced), `usage.compression_summary_tokens`
 (the summary's completion tokens) and the summary request's id. Without the option (or `"mode": "off"`) a
@@ -17,13 +17,12 @@ no `context_compression` field; a request's own field, `{"mode": "off"}` include
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from tokenfactory.service.protocol import CompressionOptions
+from tokenfactory.service.results import CompressionUsage
 from tokenfactory.tenants.store import Tenant
 from tokenfactory.types import ParameterError
 
@@ -31,15 +30,6 @@ SUMMARY_INSTRUCTION = ("Summarize the conversation below in a few sentences. Kee
                        "and open questions; write only the summary.")
 KEPT_ROLES = ("system", "developer")
 SUMMARY_PREFIX = "Summary of the earlier conversation: "
-
-
-class CompressionOptions(BaseModel):
-    """The request's `context_compression` field."""
-
-    model_config = ConfigDict(extra="forbid")
-    mode: Literal["off", "summarize"] = "summarize"
-    model: str | None = None  # a served model's name for the summary; None: the request's own model
-    summary_tokens: int = Field(256, ge=16, le=4096)
 
 
 @dataclass(frozen=True)
@@ -51,12 +41,9 @@ class Compression:
     compressed_prompt_tokens: int
     summary_tokens: int
     summary_request_id: str
-    usage: dict[str, Any] = field(default_factory=dict)
 
-    def usage_fields(self) -> dict[str, Any]:
-        return {"compressed_prompt_tokens": self.compressed_prompt_tokens,
-                "compression_summary_tokens": self.summary_tokens,
-                "compression_summary_request_id": self.summary_request_id}
+    def usage(self) -> CompressionUsage:
+        return CompressionUsage(self.compressed_prompt_tokens, self.summary_tokens, self.summary_request_id)
 
 
 def request_options(body_options: CompressionOptions | None, tenant: Tenant) -> CompressionOptions | None:
@@ -74,7 +61,7 @@ def request_options(body_options: CompressionOptions | None, tenant: Tenant) -> 
 
 
 Tokenize = Callable[[list[dict]], Awaitable[int]]  # messages -> prompt tokens with the chat template
-Summarize = Callable[[list[dict], int], Awaitable[tuple[str, dict[str, Any], str]]]  # -> text, usage, id
+Summarize = Callable[[list[dict], int], Awaitable[tuple[str, int, str]]]  # -> text, its tokens, its request id
 
 
 def split_turns(messages: list[dict]) -> tuple[list[int], list[int]]:
@@ -106,14 +93,14 @@ async def compress(messages: list[dict], *, limit_tokens: int, options: Compress
         raise ParameterError("messages", "even with the earlier turns summarized, the system prompt and the last "
                              "turn do not fit the context: shorten them or lower max_tokens")
     old = [messages[i] for i in turns[:keep_from]]
-    text, usage, summary_id = await summarize(old, options.summary_tokens)
+    text, summary_tokens, summary_id = await summarize(old, options.summary_tokens)
     summary = {"role": "system", "content": SUMMARY_PREFIX + text.strip()}
     compressed = _assemble(messages, kept, latest, summary)
     while await tokenize(compressed) > limit_tokens and len(latest) > 1:  # a summary longer than its worst case
         latest = latest[1:]
         compressed = _assemble(messages, kept, latest, summary)
     old_tokens = await tokenize(old)
-    return Compression(compressed, len(old), old_tokens, int(usage.get("completion_tokens", 0)), summary_id, usage)
+    return Compression(compressed, len(old), old_tokens, summary_tokens, summary_id)
 
 
 def _assemble(messages: list[dict], kept: list[int], latest: list[int], summary: dict) -> list[dict]:
@@ -130,59 +117,3 @@ def summary_request(old: list[dict], summary_tokens: int, model: str | None) -> 
     return {"model": model, "max_tokens": summary_tokens, "temperature": 0.0,
             "messages": [{"role": "system", "content": SUMMARY_INSTRUCTION},
                          {"role": "user", "content": transcript}]}
-
-
-def read_summary(body: bytes) -> tuple[str, dict[str, Any], str]:
-    """(text, usage, id) from a chat completion's JSON body."""
-    data = json.loads(body)
-    return data["choices"][0]["message"]["content"] or "", data.get("usage") or {}, data.get("id", "")
-
-
-async def compress_chat(handler: Any, served: Any, body: Any, messages: list[dict], max_tokens: int | None,
-                        request: Any, options: CompressionOptions) -> Compression | None:  # noqa: ANN401
-    """The glue `Handler.chat` calls: the context limit from the served model, token counts with its chat
-    template (in a worker thread), and the summary as an ordinary request through `Handler.serve`.
-    (Any: Handler, Served and the request, which live above this module.)"""
-    import asyncio
-    import uuid
-
-    from tokenfactory.gateway.protocol import ChatCompletionRequest
-
-    info = served.engine.info
-    reply = max_tokens if max_tokens is not None else options.summary_tokens
-    if reply >= info.max_model_len:
-        return None  # nothing can fit beside such a reply: prepare() says so, naming max_tokens
-
-    async def tokenize(msgs: list[dict]) -> int:
-        _, ids = await asyncio.to_thread(handler.chat_prompt, msgs, body.add_generation_prompt,
-                                         served.engine.tokenizer)
-        return len(ids)
-
-    async def summarize(old: list[dict], summary_tokens: int) -> tuple[str, dict[str, Any], str]:
-        summarizer = handler.check_model(options.model) if options.model else served
-        limit = summarizer.engine.info.max_model_len - summary_tokens
-        while len(old) > 1 and await tokenize(summary_request(old, 0, None)["messages"]) > limit:
-            old = old[1:]  # the oldest turns past what the summarizer can read are dropped, not summarized
-        if await tokenize(summary_request(old, 0, None)["messages"]) > limit:
-            raise ParameterError("context_compression", f"the summarizing model ({summarizer.name}) cannot read "
-                                 "even the latest earlier turn beside its summary: lower summary_tokens or name a "
-                                 "model with a longer context")
-        sbody = ChatCompletionRequest(**summary_request(old, summary_tokens, summarizer.name))
-        text, ids = await asyncio.to_thread(handler.chat_prompt, [m for m in sbody.messages_as_dicts()],
-                                            True, summarizer.engine.tokenizer)
-        prepared = [handler.prepare(sbody, text, ids, summary_tokens, None, summarizer)]
-        # Its own ledger row for the same tenant: a request id of its own, admitted and settled like any.
-        state = request.state
-        had, previous = hasattr(state, "request_id"), getattr(state, "request_id", None)
-        state.request_id = f"{previous or 'chatcmpl-' + uuid.uuid4().hex}-summary"
-        try:
-            response = await handler.serve(sbody, prepared, request, "chat.completion", served=summarizer)
-        finally:
-            if had:
-                state.request_id = previous
-            else:
-                del state.request_id
-        return read_summary(response.body)
-
-    return await compress(messages, limit_tokens=info.max_model_len - reply, options=options, tokenize=tokenize,
-                          summarize=summarize)

@@ -11,7 +11,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tokenfactory.gateway.compression import CompressionOptions
 from tokenfactory.types import (
     INT64_MAX,
     INT64_MIN,
@@ -31,11 +30,13 @@ MAX_PROMPTS = 256  # prompts in one completions request (a list of strings or of
 MAX_MESSAGES = 4096
 
 
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | int | None = None
+class CompressionOptions(BaseModel):
+    """A chat's `context_compression` field (service/compression.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+    mode: Literal["off", "summarize"] = "summarize"
+    model: str | None = None  # a served model's name for the summary; None: the request's own model
+    summary_tokens: int = Field(256, ge=16, le=4096)
 
 
 class StreamOptions(BaseModel):
@@ -43,7 +44,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class SamplingFields(BaseModel):
     # Ranges are checked here, where a value enters, and named in the 400 (docs/server.md lists them);
     # inf and NaN (JSON's 1e309 parses to inf) are refused for every float.
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -99,7 +100,7 @@ class _SamplingFields(BaseModel):
         )
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS)  # the legacy endpoint's default
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -125,7 +126,7 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=0, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     logprobs: bool = False
@@ -138,7 +139,7 @@ class ChatCompletionRequest(_SamplingFields):
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
     add_generation_prompt: bool = True
-    # Opt-in: summarize the oldest turns when the chat would not fit the context (gateway/compression.py).
+    # Opt-in: summarize the oldest turns when the chat would not fit the context (service/compression.py).
     context_compression: CompressionOptions | None = None
 
     def messages_as_dicts(self) -> list[dict]:

@@ -1,4 +1,4 @@
-"""Energy, money and the ledger for each API request, between the meter and the HTTP side.
+"""Energy, money and the ledger for each API request, between the meter and the request service.
 
 One API request may be several engine requests (a completions call with a list of prompts); its energy
 and cost are their sums, and it gets one ledger row. The row is committed before the response's last
@@ -71,20 +71,11 @@ def merge_energy(api_request_id: str, parts: Sequence[RequestEnergy]) -> Request
 
 @dataclass(frozen=True)
 class Settled:
-    """One API request settled: its usage fields, and the older aborted attempt its row superseded (None:
+    """One API request settled: its energy and cost, and the older aborted attempt its row superseded (None:
     none, or not known because the row went to the journal)."""
 
-    usage: dict[str, object]
+    energy: RequestEnergy
     superseded: LedgerRow | None = None
-
-
-def usage_fields(energy: RequestEnergy) -> dict[str, object]:
-    return {"energy_joules": energy.energy_joules, "energy_source": energy.energy_source,
-            "energy_scope": energy.energy_scope, "energy_overhead_factor": energy.energy_overhead_factor,
-            "facility_energy_joules": energy.facility_energy_joules,
-            "joules_per_output_token": energy.joules_per_output_token,
-            "cost_usd": energy.cost_usd, "cost_device_usd": energy.cost_device_usd,
-            "cost_energy_usd": energy.cost_energy_usd}
 
 
 class Accounting:
@@ -98,12 +89,12 @@ class Accounting:
         self._in_flight: dict[concurrent.futures.Future[LedgerRow | None], LedgerRow] = {}
 
     async def settle(self, api_request_id: str, engine_ids: Sequence[str], finals: Sequence[RequestOutput | None],
-                     status: str, tenant: str = "anonymous", model: str | None = None) -> dict[str, object]:
-        """Finish the request with the meter, commit its ledger row, and return the usage fields.
+                     status: str, tenant: str = "anonymous", model: str | None = None) -> RequestEnergy:
+        """Finish the request with the meter, commit its ledger row, and return its energy and cost.
         `finals[i]` is engine request i's last output (None if it never produced one). Only the first call
         for an `api_request_id` does the work; later ones return its usage. The work goes on if the caller
         is cancelled, so a client that leaves mid-write still gets its row, once."""
-        return dict((await self.settle_request(api_request_id, engine_ids, finals, status, tenant, model)).usage)
+        return (await self.settle_request(api_request_id, engine_ids, finals, status, tenant, model)).energy
 
     async def settle_request(self, api_request_id: str, engine_ids: Sequence[str],
                              finals: Sequence[RequestOutput | None], status: str, tenant: str = "anonymous",
@@ -132,7 +123,7 @@ class Accounting:
             parts.append(self.meter.finish_request(rid, num_out))
         energy = merge_energy(api_request_id, parts)
         superseded = await self._commit(self._row(energy, finals, status, tenant, model))
-        return Settled(usage_fields(energy), superseded)
+        return Settled(energy, superseded)
 
     def _row(self, energy: RequestEnergy, finals: Sequence[RequestOutput | None], status: str,
              tenant: str, model: str) -> LedgerRow:

@@ -1,0 +1,118 @@
+"""What the request service returns: typed results, never rendered JSON.
+
+    CompletionResult   a finished chat or text completion: its choices and its `Usage`
+    CompletionStream   the same, streamed: `StreamStart`, then `ChoiceDelta`s, then `StreamEnd` (the usage) or
+                       `StreamFailed`; closing it early aborts what has not finished and settles it as aborted
+    Usage              model tokens, and the request's metered `RequestEnergy` (joules, their source, dollars)
+
+The gateway renders them in OpenAI's shapes (gateway/render.py); the Batch API writes the same rendering
+into its output file and sums the typed usage into the job's totals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from tokenfactory.meter.attribution import RequestEnergy
+from tokenfactory.types import FinishReason, Logprob, RequestOutput
+
+Kind = Literal["chat", "text"]
+
+
+@dataclass(frozen=True)
+class CompressionUsage:
+    """Context compression's part of the usage (service/compression.py)."""
+
+    compressed_prompt_tokens: int
+    summary_tokens: int
+    summary_request_id: str
+
+
+@dataclass(frozen=True)
+class Usage:
+    num_prompt_tokens: int
+    num_completion_tokens: int
+    num_cached_tokens: int
+    tokens_source: str | None = None  # an external backend served it: whose counts these are
+    energy: RequestEnergy | None = None  # None: this server runs without a meter
+    compression: CompressionUsage | None = None
+
+    @property
+    def num_total_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_completion_tokens
+
+    @classmethod
+    def of(cls, finals: list[RequestOutput], energy: RequestEnergy | None,
+           compression: CompressionUsage | None = None) -> Usage:
+        sources = {o.tokens_source for o in finals if o.tokens_source is not None}
+        return cls(sum(len(o.prompt_token_ids) for o in finals), sum(o.num_completion_tokens for o in finals),
+                   sum(o.num_cached_tokens for o in finals), "+".join(sorted(sources)) or None, energy, compression)
+
+
+@dataclass(frozen=True)
+class Choice:
+    index: int
+    text: str
+    finish_reason: FinishReason | None
+    logprobs: list[list[Logprob]] | None
+
+
+@dataclass(frozen=True)
+class CompletionResult:
+    kind: Kind
+    request_id: str
+    model: str
+    created: int
+    choices: tuple[Choice, ...]
+    usage: Usage
+
+
+@dataclass(frozen=True)
+class StreamStart:
+    """The stream's opening: each choice's index and the text it starts with (its echoed prompt, or "")."""
+
+    choice_to_prefix: tuple[tuple[int, str], ...]
+    echo: bool = False
+
+
+@dataclass(frozen=True)
+class ChoiceDelta:
+    index: int
+    text: str
+    logprobs: list[list[Logprob]] | None
+    finish_reason: FinishReason | None
+
+
+@dataclass(frozen=True)
+class StreamEnd:
+    usage: Usage
+
+
+@dataclass(frozen=True)
+class StreamFailed:
+    message: str
+    code: str  # request_failed | engine_unavailable
+
+
+StreamEvent = StreamStart | ChoiceDelta | StreamEnd | StreamFailed
+
+
+class CompletionStream:
+    """A streamed completion: iterate its events once; `aclose()` (always call it) ends it — aborting the
+    engine requests that have not finished and settling the request as aborted if it did not finish."""
+
+    def __init__(self, kind: Kind, request_id: str, model: str, created: int, events: AsyncIterator[StreamEvent],
+                 on_close: Callable[[], Awaitable[None]]) -> None:
+        self.kind, self.request_id, self.model, self.created = kind, request_id, model, created
+        self._events, self._on_close = events, on_close
+
+    def __aiter__(self) -> AsyncIterator[StreamEvent]:
+        return self._events
+
+    async def aclose(self) -> None:
+        try:
+            await self._events.aclose()  # type: ignore[attr-defined]
+        finally:
+            await self._on_close()
