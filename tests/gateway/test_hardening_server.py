@@ -17,6 +17,8 @@ import httpx
 import pytest
 
 from tests.server_util import start_server
+from tokenfactory.meter.attribution import RequestEnergy
+from tokenfactory.service.accounting import Settled
 from tokenfactory.service.settlement import Settlement
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -103,11 +105,14 @@ class SlowAccounting:
         self.calls = 0
         self.release = threading.Event()
 
-    async def settle(self, request_id, engine_ids, finals, status, tenant="anonymous", model=None) -> dict:
+    async def settle_request(self, request_id, engine_ids, finals, status, tenant="anonymous", model=None):
         self.calls += 1
         while not self.release.is_set():
             await asyncio.sleep(0.01)
-        return {"energy_joules": 1.0}
+        return Settled(ENERGY)
+
+
+ENERGY = RequestEnergy("cmpl-1", 1.0, "constant", "system", 1.0, 1.0, 0.1, 1e9, 1, 1, 0.0, 0.0, 0.0)
 
 
 class Held:
@@ -115,8 +120,8 @@ class Held:
         self.settled: list = []
         self.tenant = "t"
 
-    def settle(self, finals, use) -> None:
-        self.settled.append(use)
+    def settle(self, finals, energy, credit=None) -> None:
+        self.settled.append(energy)
 
 
 def test_a_request_is_settled_once_when_its_caller_is_cancelled_mid_write() -> None:
@@ -134,6 +139,6 @@ def test_a_request_is_settled_once_when_its_caller_is_cancelled_mid_write() -> N
         assert settlement.task is not None
         return await settlement.task
 
-    assert asyncio.run(main()) == {"energy_joules": 1.0}
+    assert asyncio.run(main()) is ENERGY
     assert not pending  # done, so no longer awaited at shutdown
-    assert accounting.calls == 1 and held.settled == [{"energy_joules": 1.0}]
+    assert accounting.calls == 1 and held.settled == [ENERGY]

@@ -102,7 +102,7 @@ def test_the_budget_spend_drops_the_superseded_attempt(tmp_path) -> None:
     old = ledger.record(rerun)
     assert old is not None
     final = RequestOutput("r", None, [0] * 10, [CompletionOutput(0, "", [1] * 1500)])
-    reservation.settle([final], {}, credit=Credit(410, old.energy_joules, old.cost_usd, old.created_at))
+    reservation.settle([final], None, credit=Credit(410, old.energy_joules, old.cost_usd, old.created_at))
     [total] = ledger.totals(tenant="acme")
     assert admission.budget_status(tenant).spent == total.prompt_tokens + total.completion_tokens == 1510
     ledger.close()
