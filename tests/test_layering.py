@@ -172,3 +172,30 @@ def test_nothing_outside_the_engine_holds_its_internals() -> None:
                     and (node.value.id if isinstance(node.value, ast.Name) else node.value.attr).endswith("engine")):
                 slips.append(f"{path.relative_to(ROOT)}:{node.lineno} reads .{node.attr} of an engine")
     assert not slips, "\n".join(slips)
+
+
+HTTP_PACKAGES = ("fastapi", "starlette", "uvicorn", "h11", "httptools")
+
+
+def http_imports(source: str) -> list[tuple[int, str]]:
+    """(line, module) of every import of an HTTP framework in the source, at any depth."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+        found += [(node.lineno, n) for n in names if n.split(".")[0] in HTTP_PACKAGES]
+    return found
+
+
+def test_the_request_service_knows_nothing_of_http() -> None:
+    """tokenfactory/service is the request service's door: a Call and a validated body in, typed results out.
+    No module of it imports an HTTP framework (a Request, a Response, request.state), lazily or not."""
+    slips = [f"{path.relative_to(ROOT)}:{line} imports {name}" for path in sorted((PACKAGE / "service").rglob("*.py"))
+             for line, name in http_imports(path.read_text())]
+    assert not slips, "the request service must not import HTTP frameworks:\n" + "\n".join(slips)
+
+
+def test_the_http_check_sees_lazy_http_imports() -> None:
+    source = "import json\n\ndef f():\n    from starlette.requests import Request\n    import fastapi.responses\n"
+    assert http_imports(source) == [(4, "starlette.requests"), (5, "fastapi.responses")]
+    assert http_imports("from .x import y\nimport httpx\n") == []
