@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Protocol
 
@@ -126,7 +126,6 @@ class EngineConfig:
     # validated there); up to num_speculative_tokens drafted tokens per sequence and step.
     speculative: str = "none"
     num_speculative_tokens: int = 4
-    extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

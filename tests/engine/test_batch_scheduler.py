@@ -111,8 +111,11 @@ def test_waiting_non_batch_is_admitted_before_waiting_batch_whatever_the_arrival
     for q in [*batch, chat]:
         s.add(q)
     served = step(s)
-    assert served[0] is chat or chat in served
+    # The chat, last to arrive, takes one of the two seats; of the three earlier batch sequences only the
+    # first in the policy's order takes the other (fcfs: the earliest), the rest wait.
+    assert chat in served and len(served) == 2 and served[1 - served.index(chat)] in batch
     assert chat.status is SequenceStatus.RUNNING and running_batch(s) == 1
+    assert sum(q.status is SequenceStatus.WAITING for q in batch) == 2
 
 
 @pytest.mark.parametrize("policy", POLICY_NAMES)

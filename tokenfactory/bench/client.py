@@ -268,10 +268,6 @@ class TargetInfo:
     error_kind: str | None = None
     error: str | None = None
 
-    @property
-    def is_tokenfactory(self) -> bool:
-        return self.owned_by == "tokenfactory"
-
 
 async def probe_target(client: httpx.AsyncClient, base_url: str, api_key: str | None) -> TargetInfo:
     """GET /v1/models: reachable? key accepted? which models? A 404 (no such route) is not fatal."""

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 from tokenfactory.config import FlopShape, work_flops
 from tokenfactory.engine.sequence import Sequence, SequenceStatus
-from tokenfactory.types import BANDS, ParameterError
+from tokenfactory.types import ParameterError
 
 JOULES_PER_FLOP_FALLBACK = 1e-9  # J/FLOP while no energy is measured (order of a CPU core)
 
@@ -57,12 +57,6 @@ class VTCConfig:
     def __post_init__(self) -> None:
         if self.prompt_weight < 0 or self.output_weight < 0:
             raise ParameterError("prompt_weight", "VTC token weights must be >= 0")
-
-
-def band_of(name: str) -> int:
-    if name not in BANDS:
-        raise ParameterError("priority", f"priority must be one of {', '.join(BANDS)}, got {name!r}")
-    return BANDS[name]
 
 
 class FairPolicy:

@@ -168,10 +168,6 @@ class Scheduler:
         # Fault isolation (faults.py): when set, only this request's sequences are served this step.
         self.isolate: str | None = None
 
-    @property
-    def has_work(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
-
     def add(self, seq: Sequence) -> None:
         self.waiting.add(seq)
 

@@ -54,11 +54,6 @@ def poisson(rate: float, duration_s: float, prompt_tokens: float = 512, output_t
     return _build(times[times < duration_s], rng, prompt_tokens, output_tokens, spread)
 
 
-def diurnal_rate(t: float, peak: float, trough: float, t_low_s: float = 4 * 3600.0, period_s: float = DAY_S
-                 ) -> float:
-    return trough + (peak - trough) * (1 - math.cos(2 * math.pi * (t - t_low_s) / period_s)) / 2
-
-
 def diurnal(peak_rate: float, trough_rate: float, duration_s: float = DAY_S, prompt_tokens: float = 512,
             output_tokens: float = 256, seed: int = 0, spread: bool = False, t_low_s: float = 4 * 3600.0,
             period_s: float = DAY_S) -> list[SimRequest]:
