@@ -6,8 +6,9 @@ Store work (key lookups, /admin routes) runs on the gateway's own bounded `Store
 /admin routes (an admin API key; JSON in and out; errors in OpenAI's shape):
 
     GET    /admin/tenants                 list
-    POST   /admin/tenants                 {"name", "priority", "weight", "rpm", "tpm", "max_concurrency", "budget"}
-    PATCH  /admin/tenants/{name}          any of those fields; null removes a limit or the budget
+    POST   /admin/tenants                 {"name", "priority", "weight", "rpm", "tpm", "max_concurrency", "budget",
+                                           "context_compression"}: the settings `tokenfactory tenants add` takes
+    PATCH  /admin/tenants/{name}          any of those fields; null removes a limit, the budget or the default
     DELETE /admin/tenants/{name}          the tenant and its keys (ledger rows stay)
     GET    /admin/keys[?tenant=NAME]      ids and states, never secrets
     POST   /admin/keys                    {"tenant", "admin", "expires"} -> {"key": ..., shown once}
@@ -21,14 +22,13 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, FastAPI
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, create_model
 
 from tokenfactory.gateway.auth import Auth, AuthMiddleware, KeyAuthenticator, StoreExecutor
 from tokenfactory.meter.ledger import utc_now
 from tokenfactory.service.tenancy import Tenancy
 from tokenfactory.tenants.cli import key_dict, parse_expires, tenant_dict
-from tokenfactory.tenants.store import Budget, Tenant, TenantStore
-from tokenfactory.types import ParameterError
+from tokenfactory.tenants.store import TENANT_SETTINGS, Tenant, TenantStore, tenant_settings
 
 
 def install_tenancy(app: FastAPI, tenancy: Tenancy, executor: StoreExecutor,
@@ -49,25 +49,11 @@ def install_tenancy(app: FastAPI, tenancy: Tenancy, executor: StoreExecutor,
 # -- /admin routes -----------------------------------------------------------------------------------------
 
 
-class TenantBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    name: str
-    priority: str = "standard"
-    weight: float = 1.0
-    rpm: int | None = None
-    tpm: int | None = None
-    max_concurrency: int | None = None
-    budget: str | None = None
-
-
-class TenantPatch(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    priority: str | None = None
-    weight: float | None = None
-    rpm: int | None = None
-    tpm: int | None = None
-    max_concurrency: int | None = None
-    budget: str | None = None
+# The tenant settings' one schema (tenants/store.py TENANT_SETTINGS), the CLI's too: every setting may be
+# given; absent from a PATCH: unchanged; null in a PATCH: a limit, the budget or the default removed.
+_SETTINGS = {name: (kind | None, None) for name, kind in TENANT_SETTINGS.items()}
+TenantBody = create_model("TenantBody", __config__=ConfigDict(extra="forbid"), name=(str, ...), **_SETTINGS)
+TenantPatch = create_model("TenantPatch", __config__=ConfigDict(extra="forbid"), **_SETTINGS)
 
 
 class KeyBody(BaseModel):
@@ -92,19 +78,14 @@ def admin_router(store: TenantStore, executor: StoreExecutor) -> APIRouter:
         return {"object": "list", "data": [tenant_dict(t) for t in tenants]}
 
     @router.post("/tenants", status_code=201)
-    async def add_tenant(body: TenantBody) -> dict:
-        budget = Budget.parse(body.budget) if body.budget else None
-        tenant = Tenant(body.name, body.priority, body.weight, body.rpm, body.tpm, body.max_concurrency, budget)
+    async def add_tenant(body: TenantBody) -> dict:  # type: ignore[valid-type]
+        given = {k: getattr(body, k) for k in TENANT_SETTINGS if getattr(body, k) is not None}
+        tenant = Tenant(body.name, **tenant_settings(given))  # type: ignore[attr-defined]
         return tenant_dict(await run(store.add_tenant, tenant))
 
     @router.patch("/tenants/{name}")
-    async def update_tenant(name: str, body: TenantPatch) -> dict:
-        changes = {k: getattr(body, k) for k in body.model_fields_set}
-        if "budget" in changes:
-            changes["budget"] = Budget.parse(changes["budget"]) if changes["budget"] else None
-        for k in ("priority", "weight"):
-            if k in changes and changes[k] is None:
-                raise ParameterError(k, f"{k} cannot be null")
+    async def update_tenant(name: str, body: TenantPatch) -> dict:  # type: ignore[valid-type]
+        changes = tenant_settings({k: getattr(body, k) for k in body.model_fields_set})  # type: ignore[attr-defined]
         return tenant_dict(await run(functools.partial(store.update_tenant, name, **changes)))
 
     @router.delete("/tenants/{name}")

@@ -128,29 +128,14 @@ def emit(rows: list[dict[str, Any]], fmt: str) -> None:
         print("  ".join(("-" if r[c] is None else str(r[c])).ljust(widths[c]) for c in columns))
 
 
-def _budget(text: str | None):  # noqa: ANN202 - Budget | None
-    from tokenfactory.tenants.store import Budget
-
-    return None if text is None or text.lower() == "none" else Budget.parse(text)
-
-
-def _compression(text: str | None) -> str | None:
-    """--context-compression's value as the JSON a tenant keeps (None: no default)."""
-    if text is None or text.lower() == "none":
-        return None
-    if text.lower() in ("summarize", "off"):
-        return json.dumps({"mode": text.lower()})
-    return text
-
-
 def tenants_add(args: argparse.Namespace) -> int:
-    from tokenfactory.tenants.store import Tenant
+    from tokenfactory.tenants.store import TENANT_SETTINGS, Tenant, tenant_settings
 
+    given = {k: getattr(args, k) for k in TENANT_SETTINGS if getattr(args, k) is not None}
+    tenant = Tenant(args.name, **tenant_settings(given))  # checked before the store opens
     store, ledger = _open(args)
     try:
-        tenant = store.add_tenant(Tenant(args.name, args.priority, args.weight, args.rpm, args.tpm,
-                                         args.max_concurrency, _budget(args.budget),
-                                         context_compression=_compression(args.context_compression)))
+        tenant = store.add_tenant(tenant)
     finally:
         ledger.close()
     emit([tenant_dict(tenant)], args.format)
@@ -158,15 +143,11 @@ def tenants_add(args: argparse.Namespace) -> int:
 
 
 def tenants_update(args: argparse.Namespace) -> int:
-    changes: dict[str, Any] = {k: getattr(args, k) for k in ("priority", "weight", "rpm", "tpm", "max_concurrency")
-                               if getattr(args, k) is not None}
-    for name in ("rpm", "tpm", "max_concurrency"):
-        if getattr(args, f"no_{name}"):
-            changes[name] = None
-    if args.budget is not None:
-        changes["budget"] = _budget(args.budget)
-    if args.context_compression is not None:
-        changes["context_compression"] = _compression(args.context_compression)
+    from tokenfactory.tenants.store import LIMITS, TENANT_SETTINGS, tenant_settings
+
+    given: dict[str, Any] = {k: getattr(args, k) for k in TENANT_SETTINGS if getattr(args, k) is not None}
+    given.update({name: None for name in LIMITS if getattr(args, f"no_{name}")})
+    changes = tenant_settings(given)
     if not changes:
         raise ParameterError("tenants update", "nothing to change: give --priority, --weight, --rpm, --tpm, "
                              "--max-concurrency, --budget, --context-compression or a --no-... flag")

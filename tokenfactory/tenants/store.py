@@ -21,6 +21,7 @@ import json
 import re
 import secrets
 from dataclasses import dataclass, fields, replace
+from types import UnionType
 from typing import Any
 
 import sqlalchemy as sa
@@ -162,6 +163,44 @@ def check_compression_default(text: str) -> None:
     if value.get("mode", "summarize") not in ("off", "summarize"):
         raise ParameterError("context_compression", f"context_compression mode must be off or summarize, "
                              f"got {value['mode']!r}")
+
+
+# A tenant's editable settings, one schema for `tokenfactory tenants add|update` and the admin API's
+# POST/PATCH /admin/tenants: each name with the type a person gives it (a budget and a compression default as
+# text; the admin API's JSON may give the compression default as an object).
+TENANT_SETTINGS: dict[str, type | UnionType] = {
+    "priority": str, "weight": float, "rpm": int, "tpm": int, "max_concurrency": int, "budget": str,
+    "context_compression": str | dict}
+LIMITS = ("rpm", "tpm", "max_concurrency")  # None removes the limit
+
+
+def tenant_settings(given: dict[str, Any]) -> dict[str, Any]:
+    """What a person gave for a tenant's settings, as `Tenant`'s field values: a budget's text
+    ('50USD/month'; 'none' or None removes it) parsed, a compression default ('summarize', 'off', a JSON
+    object or its text; 'none' or None removes it) kept as the JSON a tenant holds. Unknown names, and None
+    for priority or weight, are a ParameterError naming them; the values themselves are checked by `Tenant`."""
+    values: dict[str, Any] = {}
+    for name, value in given.items():
+        if name not in TENANT_SETTINGS:
+            raise ParameterError(name, f"unknown tenant setting {name!r}: one of {', '.join(TENANT_SETTINGS)}")
+        if name == "budget":
+            value = None if value is None or str(value).lower() == "none" else Budget.parse(str(value))
+        elif name == "context_compression":
+            value = _compression_default(value)
+        elif value is None and name not in LIMITS:
+            raise ParameterError(name, f"{name} cannot be null")
+        values[name] = value
+    return values
+
+
+def _compression_default(value: str | dict | None) -> str | None:
+    if isinstance(value, dict):
+        return json.dumps(value)
+    if value is None or value.lower() == "none":
+        return None
+    if value.lower() in ("summarize", "off"):
+        return json.dumps({"mode": value.lower()})
+    return value
 
 
 @dataclass(frozen=True)
