@@ -66,7 +66,8 @@ def job_ids(path: Path, content: bytes) -> tuple[str, str]:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from tokenfactory.serve.cli import launch_checked, served_name
+    from tokenfactory.models.loader import served_name
+    from tokenfactory.serve.cli import launch_checked
 
     source = Path(args.input)
     content = source.read_bytes()  # FileNotFoundError: the cli's "error: ..." and status 2

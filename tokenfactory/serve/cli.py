@@ -263,15 +263,6 @@ def display_url(url: str) -> str:
         return re.sub(r"(://[^:/@]*):[^@]*@", r"\1:***@", url)
 
 
-def served_name(model_path: str, explicit: str | None) -> str:
-    if explicit:
-        return explicit
-    from pathlib import Path
-
-    name = Path(model_path).name
-    return re.sub(r"\.(Q\d\w*|F16|F32|BF16)?\.?gguf$", "", name, flags=re.IGNORECASE).rstrip(".") or name
-
-
 def make_engine(config, loaded, step_listeners: Sequence[Callable], threads: int | None = None):  # noqa: ANN001, ANN201
     """The LLMEngine (imported lazily), on the calling thread: the one that will step it."""
     from tokenfactory.engine.engine import LLMEngine
