@@ -268,8 +268,7 @@ def test_fleet_pool_scales_a_real_fleet_to_zero_and_back_for_a_held_request() ->
     controller sees it held and starts a replica at once, and the request is served by it."""
     template = FakeEngineClient()
     fleet = Fleet("m", [Replica("p0", FakeEngineClient(), "local")], info=template.info,
-                  tokenizer=template.tokenizer)
-    fleet.hold_s = 10.0
+                  tokenizer=template.tokenizer, hold_s=10.0)
     fleet.start()
     pool = FleetPool(fleet, lambda rid, option: Replica(rid, FakeEngineClient(), "local"), allow_zero=True)
     config = AutoscalerConfig(min_replicas=0, max_replicas=1, up_delay_s=5.0, down_delay_s=0.0)

@@ -400,9 +400,12 @@ def test_a_failing_step_listener_does_not_take_a_remote_replica_down() -> None:
 
 def test_a_fleet_at_zero_replicas_holds_a_request_until_one_starts() -> None:
     template = FakeEngineClient()
-    fleet = Fleet("fake-tiny", [], info=template.info, tokenizer=template.tokenizer, check_interval_s=0.02)
-    fleet.hold_s = 5.0
+    fleet = Fleet("fake-tiny", [], info=template.info, tokenizer=template.tokenizer, check_interval_s=0.02,
+                  hold_s=5.0)
+    brief = Fleet("fake-tiny", [], info=template.info, tokenizer=template.tokenizer, check_interval_s=0.02,
+                  hold_s=0.2)
     fleet.start()
+    brief.start()
 
     async def main() -> list:
         task = asyncio.ensure_future(run(fleet, add("cold")))
@@ -413,9 +416,8 @@ def test_a_fleet_at_zero_replicas_holds_a_request_until_one_starts() -> None:
     try:
         outs = asyncio.run(main())
         assert outs[-1].finished and outs[-1].replica == "a0" and fleet.num_held == 0
-        fleet.remove_replica("a0")
-        fleet.hold_s = 0.2
         with pytest.raises(NoReplicaError, match="within 0.2 s"):
-            asyncio.run(run(fleet, add("nobody")))
+            asyncio.run(run(brief, add("nobody")))
     finally:
         fleet.shutdown()
+        brief.shutdown()

@@ -124,8 +124,9 @@ class Fleet:
 
     def __init__(self, model: str, replicas: Sequence[Replica], router: RoutingPolicy | None = None,
                  max_reroutes: int = 2, check_interval_s: float = 0.5, restart_backoff_s: float = 2.0,
-                 info: ModelInfo | None = None, tokenizer: Tokenizer | None = None) -> None:
-        """`info` and `tokenizer` (else the first replica's) let a fleet start, or scale to, zero replicas."""
+                 info: ModelInfo | None = None, tokenizer: Tokenizer | None = None, hold_s: float = 0.0) -> None:
+        """`info` and `tokenizer` (else the first replica's) let a fleet start, or scale to, zero replicas;
+        `hold_s` > 0: a request that finds no routable replica waits that long for one (scale from zero)."""
         if not replicas and (info is None or tokenizer is None):
             raise ValueError("a fleet needs at least one replica, or the model's info and tokenizer")
         self.model = model
@@ -140,7 +141,7 @@ class Fleet:
         self._tokenizer = tokenizer if tokenizer is not None else replicas[0].client.tokenizer
         # Scale from zero: with hold_s > 0, a request that finds no routable replica waits that long for one
         # (an autoscaler starting it, a restart) instead of failing; num_held is the autoscaler's signal.
-        self.hold_s = 0.0
+        self.hold_s = hold_s
         self.num_held = 0
         self._stop = threading.Event()
         self._supervisor = threading.Thread(target=self._supervise, name="fleet-supervisor", daemon=True)

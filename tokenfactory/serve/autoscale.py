@@ -71,6 +71,14 @@ class Autoscaling:
         self.pool.wait(30.0)
 
 
+def hold_s(args: argparse.Namespace) -> float:
+    """How long a request that finds no replica waits for one: --scale-from-zero-wait with --min-replicas 0
+    (the autoscaler starts one), else 0 (it fails at once). Given to the fleet when it is made."""
+    if getattr(args, "autoscaler", None) and getattr(args, "min_replicas", 1) == 0:
+        return float(args.scale_from_zero_wait)
+    return 0.0
+
+
 def start_autoscaler(args: argparse.Namespace, fleet: Fleet, config: EngineConfig, power: DevicePower
                      ) -> Autoscaling | None:
     """The controller over `fleet`, ticking on its thread; None without --autoscaler."""
@@ -90,8 +98,6 @@ def start_autoscaler(args: argparse.Namespace, fleet: Fleet, config: EngineConfi
 
     pool = FleetPool(fleet, replica_factory(args, config, threads, power), option.name,
                      allow_zero=scaling.min_replicas == 0)
-    if scaling.min_replicas == 0:
-        fleet.hold_s = args.scale_from_zero_wait  # a request with no replica waits for one to start
     controller = Controller(make_autoscaler(args.autoscaler, scaling, [option]), pool, held=lambda: fleet.num_held)
     observe_steps(fleet, controller.latency)
     thread = ControllerThread(controller, scaling.interval_s)

@@ -374,6 +374,8 @@ def launch_checked(args: argparse.Namespace) -> tuple[Any, Any, tuple[Any, str, 
 
     made: dict[str, Any] = {}
 
+    from tokenfactory.models.loader import served_name
+
     def build():  # noqa: ANN202 - LLMEngine
         config, loaded = load_checked(args)
         name = served_name(str(loaded.path), args.served_model_name)
@@ -387,6 +389,8 @@ def launch_checked(args: argparse.Namespace) -> tuple[Any, Any, tuple[Any, str, 
 
 def start_engine(args: argparse.Namespace) -> Started:
     """One engine in this process: loaded, checked, built, warmed up and stepped on one thread (launch_checked)."""
+    from tokenfactory.models.loader import served_name
+
     client, loaded, (accounting, power, prices) = launch_checked(args)
     name = served_name(str(loaded.path), args.served_model_name)
     engine, cap = client.engine, client.engine.capacity
@@ -421,7 +425,10 @@ def start_fleet(args: argparse.Namespace) -> Started:
     energies = _add_backends(args, groups)
     if energies:
         accounting.meter = FleetMeter(accounting.meter, energies)
-    fleets = {g.name: Fleet(g.name, g.replicas, _router(args), info=g.info, tokenizer=g.tokenizer) for g in groups}
+    from tokenfactory.serve.autoscale import hold_s
+
+    fleets = {g.name: Fleet(g.name, g.replicas, _router(args), info=g.info, tokenizer=g.tokenizer,
+                            hold_s=hold_s(args) if g.name == name else 0.0) for g in groups}
     for fleet in fleets.values():
         fleet.step_listeners.append(accounting.meter.on_step)  # one meter: this machine's power, every step
         fleet.start()
@@ -466,6 +473,8 @@ def _model_group(args: argparse.Namespace, config, num_replicas: int, name: str 
     else:
         config, loaded = load_checked(args)
         info, tokenizer, model_path = model_info(config, loaded), loaded.tokenizer, str(loaded.path)
+    from tokenfactory.models.loader import served_name
+
     explicit = name or (args.served_model_name if not prefix else None)
     return _ModelGroup(served_name(model_path, explicit), info, tokenizer, model_path, replicas)
 
