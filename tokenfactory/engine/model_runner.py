@@ -211,6 +211,15 @@ class ModelRunner:
         return results
 
     @torch.inference_mode()
+    def zero_kv_blocks(self, block_ids: list[int]) -> None:
+        """Zero these blocks of every layer's cache (values and scales): a calibration step reads context it
+        never wrote, and no non-finite leftover may reach the KV it writes."""
+        used = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for layer in self.kv_caches:  # (k, v), or (k, v, k_scale, v_scale) for a quantized cache
+            for cache in layer:  # (nkv, num_blocks, block_size, ...): blocks on dim 1
+                (cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache)[:, used] = 0
+
+    @torch.inference_mode()
     def score(self, token_ids: list[int], block_ids: list[int]) -> list[float]:
         """Log-probability of each token after the first given those before it: one prefill span written
         into the given KV blocks (the caller allocated them, and frees them)."""

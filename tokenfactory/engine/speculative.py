@@ -653,10 +653,7 @@ def time_step(runner: ModelRunner, kv: BlockManager, batch: int, k: int, ctx: in
             raise ValueError("the KV cache is too small to calibrate speculative decoding")
         chunks.append(ScheduledChunk(seq, new_tokens + k, ctx, Draft([0] * k) if k else None))
     # The context was never written: zero it, so that no non-finite leftover reaches the KV it writes.
-    used = torch.tensor([b for seq in seqs for b in kv.block_ids(seq.seq_id)], dtype=torch.long)
-    for layer in runner.kv_caches:  # (k, v), or (k, v, k_scale, v_scale) for a quantized cache
-        for cache in layer:
-            (cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache)[:, used.to(cache.device)] = 0
+    runner.zero_kv_blocks([b for seq in seqs for b in kv.block_ids(seq.seq_id)])
     best = math.inf
     try:
         for _ in range(repeats):
