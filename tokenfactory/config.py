@@ -126,6 +126,12 @@ class EngineConfig:
     # validated there); up to num_speculative_tokens drafted tokens per sequence and step.
     speculative: str = "none"
     num_speculative_tokens: int = 4
+    # Constrained decoding (engine/grammar.py): a grammar that takes longer than this to compile fails its
+    # request (400 naming the field); compiled grammars kept; tokens the grammar forces appended without a
+    # decode step each ("jump-forward"; off only to measure what it saves).
+    grammar_compile_timeout_s: float = 10.0
+    grammar_cache_size: int = 256
+    jump_forward: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -144,6 +150,12 @@ class EngineConfig:
             raise ParameterError("dtype", f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not 0.0 <= self.batch_min_share <= 1.0:
             raise ParameterError("batch_min_share", f"batch_min_share must be in [0, 1], got {self.batch_min_share}")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ParameterError("grammar_compile_timeout_s",
+                                 f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
+        if self.grammar_cache_size < 1:
+            raise ParameterError("grammar_cache_size",
+                                 f"grammar_cache_size must be >= 1, got {self.grammar_cache_size}")
         if self.batch_yield not in ("share", "seats"):
             raise ParameterError("batch_yield", f"batch_yield must be share or seats, got {self.batch_yield!r}")
         if self.kv_cache_dtype not in ("auto", "int8", "fp8"):

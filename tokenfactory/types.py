@@ -7,7 +7,9 @@ types, so none of them has to import another's internals.
 from __future__ import annotations
 
 import enum
+import json
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 # Documented ranges (docs/server.md), checked where a value enters: pydantic at the API, SamplingParams offline.
@@ -20,6 +22,10 @@ MAX_TOKENS = 10**9
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20
+# A grammar's source (a JSON schema's text, a regex, a grammar): past this it is refused before any compile.
+# 20 tool definitions with rich schemas are ~15 kB; a schema of 256 KiB is already far beyond what a model fills.
+MAX_GRAMMAR_CHARS = 256 * 1024
+MAX_CHOICES = 1024
 
 # Priority bands: a tenant's band name -> Sequence.priority; lower is admitted first. Shared by the tenant
 # store (which validates names) and the fair-share policies (which order by it).
@@ -34,6 +40,85 @@ class FinishReason(enum.StrEnum):
 
     def __str__(self) -> str:
         return self.value
+
+
+class GrammarKind(enum.StrEnum):
+    """What constrains a request's output (constrained decoding, engine/grammar.py)."""
+
+    JSON_SCHEMA = "json_schema"  # JSON valid against a schema
+    JSON_OBJECT = "json_object"  # any JSON object
+    REGEX = "regex"
+    CHOICE = "choice"  # exactly one of a list of strings
+    GRAMMAR = "grammar"  # a Lark grammar (llguidance's dialect: %json {schema} inlines a schema), or GBNF/EBNF
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A request's output constraint. `source` is the schema as JSON text, the regex, the choices as a JSON
+    list, or the grammar text; the (kind, source) pair is the compile cache's key. `param` is the request field
+    it came from (`response_format.json_schema.schema`, `guided_regex`, ...): errors name it. The cheap checks
+    run here; whether the library can compile it is engine/grammar.py's `validate_grammar`."""
+
+    kind: GrammarKind
+    source: str = ""
+    param: str = field(default="grammar", compare=False)
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "kind", GrammarKind(self.kind))
+        except ValueError:
+            raise ParameterError(self.param, f"{self.param}: the kind must be one of {', '.join(GrammarKind)}, "
+                                 f"got {self.kind!r}") from None
+        _check(isinstance(self.source, str), self.param, "must be a string")
+        _check(len(self.source) <= MAX_GRAMMAR_CHARS, self.param,
+               f"is too large: {len(self.source)} characters, at most {MAX_GRAMMAR_CHARS}")
+        if self.kind is GrammarKind.JSON_OBJECT:
+            return
+        _check(bool(self.source.strip()), self.param, "must not be empty")
+        if self.kind is GrammarKind.JSON_SCHEMA:
+            try:
+                schema = json.loads(self.source)
+            except ValueError as e:
+                raise ParameterError(self.param, f"{self.param} is not valid JSON: {e}") from None
+            _check(isinstance(schema, dict | bool), self.param, "must be a JSON schema (an object)")
+        elif self.kind is GrammarKind.CHOICE:
+            try:
+                choices = json.loads(self.source)
+            except ValueError:
+                choices = None
+            _check(isinstance(choices, list) and 1 <= len(choices) <= MAX_CHOICES
+                   and all(isinstance(c, str) and c for c in choices), self.param,
+                   f"must be a list of 1 to {MAX_CHOICES} non-empty strings")
+
+    @classmethod
+    def json_schema(cls, schema: Mapping[str, object] | bool | str, param: str = "json_schema") -> GrammarSpec:
+        if isinstance(schema, str):
+            return cls(GrammarKind.JSON_SCHEMA, schema, param)
+        try:  # property order is kept: it is the order the model writes them in
+            text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+        except (TypeError, ValueError) as e:
+            raise ParameterError(param, f"{param} is not JSON: {e}") from None
+        return cls(GrammarKind.JSON_SCHEMA, text, param)
+
+    @classmethod
+    def json_object(cls, param: str = "response_format") -> GrammarSpec:
+        return cls(GrammarKind.JSON_OBJECT, "", param)
+
+    @classmethod
+    def regex(cls, pattern: str, param: str = "regex") -> GrammarSpec:
+        return cls(GrammarKind.REGEX, pattern, param)
+
+    @classmethod
+    def choice(cls, choices: Sequence[str], param: str = "choice") -> GrammarSpec:
+        _check(not isinstance(choices, str) and isinstance(choices, Sequence), param, "must be a list of strings")
+        return cls(GrammarKind.CHOICE, json.dumps(list(choices), ensure_ascii=False), param)
+
+    @classmethod
+    def grammar(cls, text: str, param: str = "grammar") -> GrammarSpec:
+        return cls(GrammarKind.GRAMMAR, text, param)
 
 
 @dataclass(frozen=True)
@@ -59,6 +144,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     speculative: bool = True  # per-request opt-out of speculative decoding
+    grammar: GrammarSpec | None = None  # constrained decoding: the output follows it (engine/grammar.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -100,6 +186,8 @@ class SamplingParams:
                f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(self.stop_token_ids)}")
         _check(all(isinstance(t, int) and 0 <= t <= MAX_TOP_K for t in self.stop_token_ids), "stop_token_ids",
                "must be non-negative token ids")
+        _check(self.grammar is None or isinstance(self.grammar, GrammarSpec), "grammar",
+               f"must be a GrammarSpec, got {type(self.grammar).__name__}")
 
     @property
     def greedy(self) -> bool:
@@ -180,6 +268,9 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when the engine failed this request alone (its outputs end with ERROR)
+    error_param: str | None = None  # the request parameter that caused `error`, when one did (a client error)
+    # Output tokens the grammar forced (appended without a decode step of their own; engine/grammar.py).
+    num_forced_tokens: int = 0
     # An external backend's own count of its completion tokens (fleet/backend.py), and where the counts come
     # from: None for our engine's; "backend" (its usage) or "tokenizer" (it sent none: our tokenizer counted).
     num_completion_tokens_reported: int | None = None
@@ -222,6 +313,10 @@ class StepStats:
     num_total_blocks: int
     num_preemptions: int  # preemptions that happened in this step
     work: tuple[SequenceWork, ...] = ()
+    # Constrained decoding: sequences under a grammar this step, and output tokens the grammar forced in it
+    # (appended for the next step to compute as one chunk: decode steps that never run, so no joules).
+    num_constrained: int = 0
+    num_forced_tokens: int = 0
 
     @property
     def num_batched_tokens(self) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import time
 
@@ -18,7 +19,7 @@ from tokenfactory.engine.async_engine import AsyncEngine
 from tokenfactory.engine.client import AddRequest, EngineDeadError, RequestError
 from tokenfactory.engine.engine import LLMEngine
 from tokenfactory.fleet.process import start_process_replica
-from tokenfactory.types import SamplingParams, StepStats
+from tokenfactory.types import GrammarSpec, SamplingParams, StepStats
 
 pytestmark = pytest.mark.slow
 
@@ -139,6 +140,22 @@ def test_a_request_the_engine_refuses_fails_alone(client, expected) -> None:
             await final(client, add("bad", [10**9]))  # not in the vocabulary: only ModelInfo would catch it
         ok = await final(client, add("ok", PROMPTS[0]))
         assert ok.outputs[0].token_ids == expected[0]
+    asyncio.run(main())
+    assert client.is_alive
+
+
+def test_a_grammar_that_cannot_compile_fails_alone_naming_its_parameter(client) -> None:
+    """The compile runs in the engine's process; its refusal crosses back typed, parameter and all (a 400)."""
+    bad = SamplingParams(max_tokens=5, grammar=GrammarSpec.json_schema({"type": "foo"},
+                                                                        "response_format.json_schema.schema"))
+    digits = SamplingParams(temperature=0, max_tokens=10, grammar=GrammarSpec.regex("[0-9]{3}"))
+
+    async def main() -> None:
+        with pytest.raises(RequestError, match="Invalid type: foo") as e:
+            await final(client, add("bad-grammar", PROMPTS[0], bad))
+        assert e.value.param == "response_format.json_schema.schema"
+        ok = await final(client, add("digits", PROMPTS[0], digits))
+        assert re.fullmatch("[0-9]{3}", ok.outputs[0].text) and ok.outputs[0].finish_reason == "stop"
     asyncio.run(main())
     assert client.is_alive
 

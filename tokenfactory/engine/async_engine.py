@@ -184,8 +184,8 @@ class AsyncEngine:
             while self._drain_inbox(block=not engine.has_unfinished_requests):
                 if engine.has_unfinished_requests:
                     outputs, failures = self._worker.step()
-                    for request_id, reason in failures:
-                        self._deliver(request_id, RequestFailed(request_id, reason))
+                    for failure in failures:
+                        self._deliver(failure.request_id, failure)
                     for out in outputs:
                         self._deliver(out.request_id, out)
                         if out.finished:
@@ -220,7 +220,7 @@ class AsyncEngine:
                 if msg.request_id not in self.streams:
                     continue  # the client left before the engine saw the request
             if (failure := self._worker.apply(msg)) is not None:
-                self._deliver(failure[0], RequestFailed(*failure))
+                self._deliver(failure.request_id, failure)
 
     def _deliver(self, request_id: str, item: RequestOutput | RequestFailed) -> None:
         target = self.streams.get(request_id)

@@ -75,7 +75,23 @@ class EngineDeadError(RuntimeError):
 
 
 class RequestError(RuntimeError):
-    """The engine failed this request alone; it goes on serving the others."""
+    """The engine failed this request alone; it goes on serving the others. `param`: the request parameter to
+    blame when the client's input caused it (a grammar that cannot be compiled): the HTTP layer's 400."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class RequestFailed:
+    """A request the engine could not take or failed (a worker's batch, a stream's last item), or every
+    request of an engine that stopped (`fatal`)."""
+
+    request_id: str
+    message: str
+    fatal: bool = False
+    param: str | None = None  # the parameter to blame, when the client's input caused it
 
 
 # -- what comes out ------------------------------------------------------------------------------------------
@@ -106,6 +122,19 @@ class SpeculativeMetrics:
 
 
 @dataclass(frozen=True)
+class GrammarMetrics:
+    """Constrained decoding's counters (engine/grammar.py), for /metrics."""
+
+    num_requests: int  # constrained requests submitted
+    num_compiles: int  # grammars compiled (cache misses)
+    num_cache_hits: int
+    num_failures: int  # requests failed for their grammar: invalid, too costly, past the time limit
+    compile_seconds: float  # summed over compiles
+    num_forced_tokens: int  # output tokens appended without a decode step of their own
+    num_spec_skipped: int  # (sequence, step) pairs speculative decoding stepped aside for
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """The engine as one step left it: counts, KV blocks, token and cache counters, timings."""
 
@@ -126,6 +155,7 @@ class EngineStats:
     max_num_seqs: int
     max_num_batched_tokens: int
     speculative: SpeculativeMetrics | None = None
+    grammar: GrammarMetrics | None = None
     alive: bool = True
     dead_reason: str | None = None
 
@@ -193,7 +223,7 @@ class WorkerEvents:
     meter's input), and its latest snapshot. An empty batch is a heartbeat."""
 
     outputs: tuple[RequestOutput, ...] = ()
-    failures: tuple[tuple[str, str], ...] = ()  # (request_id, reason)
+    failures: tuple[RequestFailed, ...] = ()
     steps: tuple[StepStats, ...] = ()
     stats: EngineStats | None = None
     dead_reason: str | None = None  # set in the last batch of a worker whose engine stopped

@@ -4,6 +4,11 @@
 request's new tokens and text back. The offline `LLM` loops over it; the server runs it in its own
 thread (see async_engine.py). Nothing is logged inside the loop: each step is recorded as a
 `StepStats` and handed to the listeners (the meter, the metrics).
+
+A constrained request (engine/grammar.py) enters the scheduler once its grammar has compiled off the loop;
+after each run its sequences' matchers take the new tokens, and what the grammar forces is appended for the
+next step to compute as one chunk. The file is past 400 lines because request bookkeeping, fault handling
+and output processing all sit around the one loop; each method fits on a screen.
 """
 
 from __future__ import annotations
@@ -21,12 +26,14 @@ import torch
 from tokenfactory.config import EngineConfig
 from tokenfactory.engine.client import EngineStats, ModelInfo
 from tokenfactory.engine.faults import EngineFault, FaultIsolator, is_device_error
+from tokenfactory.engine.grammar import GrammarCompiler, Grammars
 from tokenfactory.engine.kv_cache import BlockManager
+from tokenfactory.engine.logits import GrammarMask
 from tokenfactory.engine.memory import KVCapacity, plan_kv_cache, resolve_device, resolve_dtype
 from tokenfactory.engine.model_runner import ModelRunner
 from tokenfactory.engine.sampler import SampledToken, Sampler
 from tokenfactory.engine.scheduler import POLICIES, Scheduler, SchedulerOutput, make_policy
-from tokenfactory.engine.sequence import Sequence
+from tokenfactory.engine.sequence import Sequence, SequenceStatus
 from tokenfactory.engine.speculative import NoSpeculation, SpecHost, build_speculator
 from tokenfactory.engine.tuning import MachineProfile
 from tokenfactory.layers.quant import QuantOptions, QuantSummary, decode_weight_bytes
@@ -70,6 +77,7 @@ class RequestState:
     seqs: list[Sequence]
     texts: list[SeqText]
     metrics: RequestMetrics
+    num_forced_tokens: int = 0  # output tokens its grammar forced (appended without a decode step)
 
 
 class LLMEngine:
@@ -84,7 +92,11 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(loaded.config.eos_token_ids)
-        self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
+        self.grammars = Grammars(GrammarCompiler(self.tokenizer, self.eos_token_ids, loaded.config.vocab_size,
+                                                 cache_size=config.grammar_cache_size),
+                                 timeout_s=config.grammar_compile_timeout_s, jump_forward=config.jump_forward)
+        self.sampler = Sampler(self.eos_token_ids, seed=config.seed,
+                               processors=[GrammarMask(self.grammars, loaded.config.vocab_size)])
         self.runner = ModelRunner(loaded.config, loaded.weights, device=self.device, dtype=self.dtype,
                                   num_blocks=None, block_size=config.block_size, max_model_len=None,
                                   sampler=self.sampler, quantization=config.quantization, raw_gguf=loaded.raw_gguf,
@@ -160,6 +172,11 @@ class LLMEngine:
                                  wait_for=seqs[0] if seqs else None))
         texts = [SeqText(self.tokenizer.decode_stream(params.skip_special_tokens)) for _ in seqs]
         self.requests[request_id] = RequestState(request_id, text, ids, params, seqs, texts, RequestMetrics(arrival))
+        if params.grammar is not None:
+            self.grammars.submit(request_id, params.grammar)  # its sequences are scheduled once it is compiled
+            for seq in seqs:
+                seq.status = SequenceStatus.COMPILING
+            return request_id
         for seq in seqs:
             self.scheduler.add(seq)
         return request_id
@@ -219,7 +236,7 @@ class LLMEngine:
             last_step_s=last.duration_s if last is not None else None,
             last_step_tokens=last.num_batched_tokens if last is not None else 0,
             max_num_seqs=self.config.max_num_seqs, max_num_batched_tokens=self.config.max_num_batched_tokens,
-            speculative=self.speculator.metrics())
+            speculative=self.speculator.metrics(), grammar=self.grammars.metrics())
 
     def score(self, prompt_token_ids: list[int]) -> list[float]:
         """Per-token log-probabilities of the prompt's tokens 1..n-1 given their prefix (perplexity, the
@@ -244,6 +261,7 @@ class LLMEngine:
         state = self.requests.pop(request_id, None)
         if state is None:
             return
+        self.grammars.release_request(request_id, [seq.seq_id for seq in state.seqs])
         for seq in state.seqs:
             self.scheduler.finish(seq, FinishReason.ABORT)
             self.sampler.release(seq.seq_id)
@@ -267,9 +285,12 @@ class LLMEngine:
         """One step. An exception that one request causes fails that request alone (faults.py); only a
         fault of the engine or its device raises (EngineFault, or the error itself from the scheduler)."""
         start = time.monotonic()
+        failed = self._start_compiled() if self.grammars.num_pending else []
         preempted_before = self.scheduler.num_preemptions
         isolated = self.scheduler.isolate = self.faults.isolated(self.requests)
         sched = self.scheduler.schedule(self._propose())
+        num_constrained = sum(1 for c in sched.chunks if self.grammars.constrains(c.seq.seq_id)) \
+            if self.grammars.num_active else 0
         if isolated is not None and sched.is_empty:
             self.faults.unschedulable(isolated)
         results: list[tuple[Sequence, list[SampledToken]]] = []
@@ -277,24 +298,93 @@ class LLMEngine:
             try:
                 results = self.runner.run(self.runner.prepare(sched, self.kv.seq_to_block_ids))
             except Exception as e:  # noqa: BLE001 - whose fault it is decides what happens
-                return self._step_failed(sched, e)
+                return failed + self._step_failed(sched, e)
             self.faults.succeeded(isolated, {seq.request_id for seq, toks in results if toks})
+        elif self.grammars.num_pending:
+            self.grammars.wait(0.01)  # nothing to run until a grammar compiles: wait for it, do not spin
+        sampled = results
+        ended: list[Sequence] = []
+        if self.grammars.num_active:
+            results, ended, failed_seqs = self._advance_grammars(results)
+            failed += failed_seqs
         num_tokens_before = {seq.seq_id: seq.num_tokens for seq, _ in results}
         self.scheduler.update(sched, {seq.seq_id: [t.token_id for t in toks] for seq, toks in results})
+        for seq in ended:
+            self.scheduler.finish(seq, FinishReason.STOP)  # the grammar is complete: nothing but EOS could follow
+        num_forced = sum(len(toks) for _, toks in results) - sum(len(toks) for _, toks in sampled)
         outputs = self._process_outputs(sched, results, num_tokens_before)
-        self._record_step(sched, start, self.scheduler.num_preemptions - preempted_before)
+        self._record_step(sched, start, self.scheduler.num_preemptions - preempted_before, num_constrained, num_forced)
         try:
-            self.speculator.observe(sched, results, self.recent_steps[-1])
+            self.speculator.observe(sched, sampled, self.recent_steps[-1])
         except Exception:  # noqa: BLE001 - speculation is an optimisation: lose it, not the engine
             self._drop_speculation("observing a step")
-        return outputs
+        return failed + outputs
 
     def _propose(self) -> dict:
+        running = self.scheduler.running
+        if self.grammars.num_active and not isinstance(self.speculator, NoSpeculation):
+            # Speculation steps aside for constrained sequences (their drafts would need the grammar's mask at
+            # every drafted position); forced tokens are their cheaper shortcut.
+            free = [seq for seq in running if not self.grammars.constrains(seq.seq_id)]
+            self.grammars.num_spec_skipped += len(running) - len(free)
+            running = free
         try:
-            return self.speculator.propose(self.scheduler.running)
+            return self.speculator.propose(running)
         except Exception:  # noqa: BLE001
             self._drop_speculation("proposing drafts")
             return {}
+
+    def _start_compiled(self) -> list[RequestOutput]:
+        """Schedule the sequences of requests whose grammar compiled; fail those whose grammar cannot be used."""
+        failed: list[RequestOutput] = []
+        for request_id, error in self.grammars.poll():
+            state = self.requests.get(request_id)
+            if state is None:
+                continue  # aborted while compiling
+            if error is None:
+                for seq in state.seqs:
+                    if (mismatch := self.grammars.start(seq.seq_id, request_id, seq.output_token_ids)) is not None:
+                        error = ParameterError(state.params.grammar.param if state.params.grammar else "grammar",
+                                               mismatch)
+                        break
+            if error is not None:
+                if (out := self.fail_request(request_id, str(error), error.param)) is not None:
+                    failed.append(out)
+                continue
+            for seq in state.seqs:
+                seq.status = SequenceStatus.WAITING
+                self.scheduler.add(seq)
+        return failed
+
+    def _advance_grammars(self, results: list[tuple[Sequence, list[SampledToken]]]
+                          ) -> tuple[list[tuple[Sequence, list[SampledToken]]], list[Sequence], list[RequestOutput]]:
+        """Each constrained sequence's matcher takes its new tokens; the tokens its grammar then forces are
+        appended (up to max_tokens and the context window) as if sampled, and computed next step as one chunk
+        with the token sampled after them. Returns the extended results, the sequences whose grammar is
+        complete, and the outputs of requests failed because their grammar refused a token."""
+        extended: list[tuple[Sequence, list[SampledToken]]] = []
+        ended: list[Sequence] = []
+        failed: list[RequestOutput] = []
+        for seq, toks in results:
+            state = self.requests.get(seq.request_id)
+            if not toks or state is None or not self.grammars.constrains(seq.seq_id):
+                extended.append((seq, toks))
+                continue
+            room = self.max_model_len - seq.num_tokens - len(toks)
+            if seq.params.max_tokens is not None:
+                room = min(room, seq.params.max_tokens - seq.num_output_tokens - len(toks))
+            advance = self.grammars.advance(seq.seq_id, [t.token_id for t in toks], room)
+            if advance.error is not None:
+                out = self.fail_request(seq.request_id, f"the grammar could not follow the output: {advance.error}")
+                failed += [out] if out is not None else []
+                continue
+            lp = seq.params.logprobs
+            forced = [SampledToken(t, None if lp is None else [(t, 0.0)] * (1 + min(lp, 1))) for t in advance.forced]
+            state.num_forced_tokens += len(forced)
+            extended.append((seq, toks + forced))
+            if advance.stopped:
+                ended.append(seq)
+        return extended, ended, failed
 
     def _drop_speculation(self, doing: str) -> None:
         logger.exception("speculative decoding failed while %s; it is off from now on", doing)
@@ -338,11 +428,13 @@ class LLMEngine:
             self.abort_request(probe_id)
             self.faults.suspects, self._probing, self._muted = saved, False, False
 
-    def fail_request(self, request_id: str, message: str) -> RequestOutput | None:
-        """End a request with an error (its blocks freed now); returns its last output, carrying `error`."""
+    def fail_request(self, request_id: str, message: str, param: str | None = None) -> RequestOutput | None:
+        """End a request with an error (its blocks freed now); returns its last output, carrying `error` (and
+        `error_param`: the request parameter to blame, when it is the client's error)."""
         state = self.requests.pop(request_id, None)
         if state is None:
             return None
+        self.grammars.release_request(request_id, [seq.seq_id for seq in state.seqs])
         for seq in state.seqs:
             self.scheduler.finish(seq, FinishReason.ERROR)
             self.sampler.release(seq.seq_id)
@@ -351,7 +443,8 @@ class LLMEngine:
         outputs = [CompletionOutput(seq.index, st.text, seq.output_token_ids, finish_reason=FinishReason.ERROR)
                    for seq, st in zip(state.seqs, state.texts, strict=True)]
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs,
-                             num_cached_tokens=state.seqs[0].num_cached_tokens, metrics=state.metrics, error=message)
+                             num_cached_tokens=state.seqs[0].num_cached_tokens, metrics=state.metrics, error=message,
+                             error_param=param, num_forced_tokens=state.num_forced_tokens)
 
     def _process_outputs(self, sched: SchedulerOutput, results: list[tuple[Sequence, list[SampledToken]]],
                          num_tokens_before: dict[str, int]) -> list[RequestOutput]:
@@ -442,6 +535,7 @@ class LLMEngine:
         for seq, st in zip(state.seqs, state.texts, strict=True):
             if seq.is_finished:
                 self.sampler.release(seq.seq_id)
+                self.grammars.release(seq.seq_id)
             # While stop strings may still match, hold back a possible partial match at the end.
             hold = 0 if seq.is_finished or not seq.params.stop else max(len(s) for s in seq.params.stop) - 1
             visible = max(st.num_sent_chars, len(st.text) - hold)
@@ -455,9 +549,11 @@ class LLMEngine:
                 logprobs_delta=None if logprobs is None else logprobs[st.num_sent_logprobs:]))
             st.num_sent_chars, st.num_sent_tokens, st.num_sent_logprobs = visible, len(out_ids), len(st.logprobs)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
-                             num_cached_tokens=state.seqs[0].num_cached_tokens, metrics=state.metrics)
+                             num_cached_tokens=state.seqs[0].num_cached_tokens, metrics=state.metrics,
+                             num_forced_tokens=state.num_forced_tokens)
 
-    def _record_step(self, sched: SchedulerOutput, start: float, num_preemptions: int) -> None:
+    def _record_step(self, sched: SchedulerOutput, start: float, num_preemptions: int, num_constrained: int = 0,
+                     num_forced: int = 0) -> None:
         stats = StepStats(
             step_index=self.num_steps, start_time=start, duration_s=time.monotonic() - start,
             num_prefill_tokens=sched.num_prefill_tokens,
@@ -466,7 +562,8 @@ class LLMEngine:
             num_free_blocks=self.kv.num_free_blocks, num_total_blocks=self.kv.num_blocks,
             num_preemptions=num_preemptions,
             work=tuple(SequenceWork(c.seq.request_id, c.num_new_tokens, c.num_context_tokens, c.is_prefill)
-                       for c in sched.chunks))
+                       for c in sched.chunks),
+            num_constrained=num_constrained, num_forced_tokens=num_forced)
         self.num_steps += 1
         self.recent_steps.append(stats)
         if not self._muted:

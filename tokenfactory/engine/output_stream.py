@@ -11,19 +11,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
-from tokenfactory.engine.client import EngineDeadError, RequestError
+from tokenfactory.engine.client import EngineDeadError, RequestError, RequestFailed
 from tokenfactory.types import RequestOutput
 
-
-@dataclass(frozen=True)
-class RequestFailed:
-    """Sent to a request's stream when the engine could not take it, failed it, or stopped (`fatal`)."""
-
-    request_id: str
-    message: str
-    fatal: bool = False
+__all__ = ["OutputStream", "RequestFailed", "merge_outputs", "read_outputs"]
 
 
 def merge_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
@@ -81,7 +73,9 @@ def read_outputs(stream: OutputStream, start: Callable[[], None], close: Callabl
                 item = await stream.get()
                 if isinstance(item, RequestFailed):
                     finished = True  # the engine holds nothing of it any more
-                    raise (EngineDeadError if item.fatal else RequestError)(item.message)
+                    if item.fatal:
+                        raise EngineDeadError(item.message)
+                    raise RequestError(item.message, item.param)
                 finished = item.finished
                 yield item
                 if finished:

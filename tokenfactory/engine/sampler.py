@@ -2,8 +2,10 @@
 tensor work. Every sequence has its own torch.Generator, so a seeded request produces the same tokens
 whatever else shares its batch.
 
-Order of operations per row (as in vLLM): penalties -> min_tokens mask -> (logprobs taken here) ->
-temperature -> top-k -> top-p -> min-p -> sample. Greedy rows take the argmax after the penalties.
+Order of operations per row (as in vLLM): penalties -> logits processors (engine/logits.py: the grammar's
+mask, in their order) -> min_tokens mask -> (logprobs taken here) -> temperature -> top-k -> top-p -> min-p ->
+sample. Greedy rows take the argmax after all masks. A token no processor allows has logprob -inf, reported
+as -9999.0 (OpenAI's number for it: JSON has no infinity).
 Plain sampling is the exponential race (Gumbel-max) with each row's own generator.
 
 `verify(logits, batch, drafts)` checks speculative draft tokens against the target's distributions at
@@ -13,11 +15,15 @@ rejection sampling (`rejection_sample`), which leaves the output distribution ex
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
 
+from tokenfactory.engine.logits import LogitsProcessor, PreparedLogits
 from tokenfactory.engine.sequence import Draft, Sequence
+
+IMPOSSIBLE_LOGPROB = -9999.0
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,7 @@ class SamplingBatch:
     penalties: list[RowPenalty]
     banned: list[tuple[int, list[int]]]  # (row, token ids) masked out: EOS/stop ids before min_tokens
     num_logprobs: list[int | None]
+    processed: tuple[PreparedLogits, ...] = ()  # the logits processors' pieces for this batch, in order
 
     @property
     def all_greedy(self) -> bool:
@@ -53,8 +60,9 @@ class SampledToken:
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: frozenset[int], seed: int = 0) -> None:
+    def __init__(self, eos_token_ids: frozenset[int], seed: int = 0, processors: Seq[LogitsProcessor] = ()) -> None:
         self.eos_token_ids = eos_token_ids
+        self.processors = tuple(processors)
         self.seed_source = torch.Generator().manual_seed(seed)
         self.seq_to_generator: dict[str, torch.Generator] = {}
 
@@ -88,7 +96,8 @@ class Sampler:
             min_ps=[s.params.min_p for s in seqs],
             generators=[self.generator(s) for s in seqs],
             penalties=penalties, banned=banned,
-            num_logprobs=[s.params.logprobs for s in seqs])
+            num_logprobs=[s.params.logprobs for s in seqs],
+            processed=tuple(p for proc in self.processors if (p := proc.prepare(seqs)) is not None))
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> list[SampledToken]:
         """logits (S, V) float32 -> one token per row."""
@@ -152,12 +161,17 @@ class Sampler:
 
 
 def _penalised(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    if batch.penalties or batch.banned:
+    if batch.penalties or batch.banned or batch.processed:
         logits = logits.clone()
         for pen in batch.penalties:
             apply_penalties(logits[pen.row], pen)
+        for prepared in batch.processed:
+            prepared.apply(logits)
         for row, ids in batch.banned:
+            kept = logits[row, ids].clone()
             logits[row, ids] = float("-inf")
+            if batch.processed and bool(torch.isneginf(logits[row]).all()):
+                logits[row, ids] = kept  # a grammar that allows only EOS here ends the output: it beats min_tokens
     return logits
 
 
@@ -246,8 +260,8 @@ def _row_logprobs(logprobs: torch.Tensor | None, row: int, token_id: int,
                   num: int | None) -> list[tuple[int, float]] | None:
     if logprobs is None or num is None:
         return None
-    chosen = [(token_id, float(logprobs[row, token_id]))]
+    chosen = [(token_id, max(float(logprobs[row, token_id]), IMPOSSIBLE_LOGPROB))]
     if num == 0:
         return chosen
     values, ids = logprobs[row].topk(num)
-    return chosen + list(zip(ids.tolist(), values.tolist(), strict=True))
+    return chosen + [(i, max(v, IMPOSSIBLE_LOGPROB)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]

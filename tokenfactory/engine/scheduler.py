@@ -328,7 +328,8 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput, sampled: Mapping[str, int | list[int]]) -> None:
         """Apply a step's results: advance progress, append sampled tokens (the accepted draft tokens
-        and one more, for a speculative chunk), cache newly full blocks, release the rejected draft
+        and one more, for a speculative chunk; then the tokens a grammar forced after them, which the next
+        step computes as one chunk), cache newly full blocks, release the rejected draft
         tokens' slots, and finish sequences that hit a token-level stop (dropping tokens after it)."""
         for chunk in out.chunks:
             seq = chunk.seq
@@ -336,8 +337,9 @@ class Scheduler:
                 continue  # aborted while the step ran
             got = sampled.get(seq.seq_id, [])
             tokens = [got] if isinstance(got, int) else got  # one sampled token, or a speculative step's
-            # Accepted drafts = tokens - 1; their KV is valid, the rejected ones' is not.
-            num_rejected = chunk.num_draft_tokens - max(len(tokens) - 1, 0)
+            # A speculative chunk's tokens are the accepted drafts and one more (then any a grammar forced: none
+            # of those is computed yet). The accepted drafts' KV is valid, the rejected ones' is not.
+            num_rejected = chunk.num_draft_tokens - min(max(len(tokens) - 1, 0), chunk.num_draft_tokens)
             seq.num_computed_tokens += chunk.num_new_tokens - num_rejected
             reason = None
             for token in tokens:
@@ -373,7 +375,8 @@ class Scheduler:
         return None
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """End a sequence wherever it is (running, waiting, or mid-step) and free its blocks at once."""
+        """End a sequence wherever it is (running, waiting, mid-step, or not yet here: compiling its grammar)
+        and free its blocks at once."""
         if seq.is_finished:
             return
         if seq.status is SequenceStatus.RUNNING:

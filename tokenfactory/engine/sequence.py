@@ -31,6 +31,7 @@ class Draft:
 
 
 class SequenceStatus(enum.Enum):
+    COMPILING = "compiling"  # its grammar is being compiled: not in the scheduler yet (engine/grammar.py)
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"

@@ -21,12 +21,13 @@ from tokenfactory.engine.client import (
     AddRequest,
     ChargeEnergy,
     Message,
+    RequestFailed,
     SetTenantWeight,
     Shutdown,
     WorkerEvents,
 )
 from tokenfactory.engine.engine import LLMEngine
-from tokenfactory.types import RequestOutput, StepStats
+from tokenfactory.types import ParameterError, RequestOutput, StepStats
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +41,8 @@ class EngineWorker:
         self.engine = engine
         self.num_added = 0
 
-    def apply(self, msg: Message) -> tuple[str, str] | None:
-        """Apply one message; returns (request_id, reason) for a request that could not be added."""
+    def apply(self, msg: Message) -> RequestFailed | None:
+        """Apply one message; returns the failure of a request that could not be added."""
         engine = self.engine
         if isinstance(msg, AbortRequest):
             engine.abort_request(msg.request_id)
@@ -53,26 +54,29 @@ class EngineWorker:
             return self.add(msg)
         return None
 
-    def add(self, msg: AddRequest) -> tuple[str, str] | None:
+    def add(self, msg: AddRequest) -> RequestFailed | None:
         self.num_added += 1
         try:
             self.engine.add_request({"prompt_token_ids": msg.prompt_token_ids}, msg.params, msg.request_id,
                                     arrival_time=msg.arrival_time, tenant=msg.tenant, priority=msg.priority,
                                     prompt_text=msg.prompt)
+        except ParameterError as e:
+            return RequestFailed(msg.request_id, str(e), param=e.param)
         except ValueError as e:
-            return msg.request_id, str(e)
+            return RequestFailed(msg.request_id, str(e))
         except Exception as e:  # noqa: BLE001 - a request that cannot be added fails alone
             logger.exception("request %s could not be added", msg.request_id)
             self.engine.abort_request(msg.request_id)
-            return msg.request_id, f"the engine could not take this request: {type(e).__name__}: {e}"
+            return RequestFailed(msg.request_id, f"the engine could not take this request: {type(e).__name__}: {e}")
         return None
 
-    def step(self) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
+    def step(self) -> tuple[list[RequestOutput], list[RequestFailed]]:
         """One engine step: the outputs it made, and the requests it failed alone."""
-        outputs, failures = [], []
+        outputs: list[RequestOutput] = []
+        failures: list[RequestFailed] = []
         for out in self.engine.step():
             if out.error is not None:
-                failures.append((out.request_id, out.error))
+                failures.append(RequestFailed(out.request_id, out.error, param=out.error_param))
             else:
                 outputs.append(out)
         return outputs, failures
@@ -100,7 +104,7 @@ def serve_worker(engine: LLMEngine, recv: Callable[[float | None], list[Message]
     try:
         while True:
             busy = engine.has_unfinished_requests
-            failures: list[tuple[str, str]] = []
+            failures: list[RequestFailed] = []
             for msg in recv(0.0 if busy else HEARTBEAT_S):
                 if isinstance(msg, Shutdown):
                     return
@@ -119,8 +123,8 @@ def serve_worker(engine: LLMEngine, recv: Callable[[float | None], list[Message]
                     sent.discard(out.request_id)
                 else:
                     sent.add(out.request_id)
-            for request_id, _ in failures:
-                sent.discard(request_id)
+            for failure in failures:
+                sent.discard(failure.request_id)
             emit(WorkerEvents(tuple(compact), tuple(failures), tuple(steps), engine.stats()))
             steps.clear()
     except Exception as e:  # the engine itself is broken: say so once, then stop

@@ -218,9 +218,9 @@ class RemoteEngine:
         if batch.stats is not None:
             self._stats = batch.stats
             self._num_in_flight_adds = 0
-        for request_id, reason in batch.failures:
-            self._wholes.pop(request_id, None)
-            self._deliver(request_id, RequestFailed(request_id, reason))
+        for failure in batch.failures:
+            self._wholes.pop(failure.request_id, None)
+            self._deliver(failure.request_id, failure)
         for compact in batch.outputs:
             whole = self._wholes.get(compact.request_id)
             if whole is None:

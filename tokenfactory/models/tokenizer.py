@@ -15,13 +15,17 @@ import json
 import logging
 from collections.abc import Mapping, Sequence
 from datetime import datetime
+from typing import Any
 
 import jinja2
+import jinja2.meta
 import tokenizers
 from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import decoders, processors
+
+from tokenfactory.models.tools import ToolParser, default_tool_messages, native_tool_messages, tool_parser_for
 
 logger = logging.getLogger(__name__)
 
@@ -85,11 +89,29 @@ class Tokenizer:
             raise ValueError(f"token_id {token_id} is outside the vocabulary (0..{self.vocab_size - 1})")
         return token
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                            **template_kwargs: object) -> str:
+    @functools.cached_property
+    def template_renders_tools(self) -> bool:
+        """Does the chat template read the `tools` variable (render tool definitions itself)?"""
+        if self.chat_template is None:
+            return False
+        try:
+            parsed = compile_chat_template(self.chat_template).environment.parse(self.chat_template)
+        except jinja2.TemplateError:
+            return False
+        return "tools" in jinja2.meta.find_undeclared_variables(parsed)
+
+    @property
+    def tool_parser(self) -> ToolParser:
+        """The tool-call format of this model's family, chosen by its template's markers (models/tools.py)."""
+        return tool_parser_for(self.chat_template)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None, **template_kwargs: object) -> str:
         """Render messages with the model's chat template, as transformers' apply_chat_template(tokenize=False).
 
-        Extra keyword arguments (tools=..., documents=...) reach the template as variables."""
+        `tools` (OpenAI's function definitions) and assistant `tool_calls` / `tool` messages go through the
+        template when it renders tools, else through models/tools.py's documented default prompt. Other
+        keyword arguments (documents=...) reach the template as variables."""
         if self.chat_template is None:
             raise ChatTemplateError(f"{self.source or 'this model'} has no chat template; "
                                     f"send a plain prompt instead of messages")
@@ -99,7 +121,12 @@ class Tokenizer:
             raise ChatTemplateError("messages must be a list of {'role': ..., 'content': ...} objects")
         # Like transformers: keys whose value is None are dropped (an OpenAI `content: null` is "absent").
         chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
-        variables = {**self.template_tokens, "tools": None, "documents": None, **template_kwargs}
+        uses_tools = bool(tools) or any(m.get("role") == "tool" or m.get("tool_calls") for m in chat)
+        if uses_tools and self.template_renders_tools:
+            chat = native_tool_messages(chat)
+        elif uses_tools:
+            chat, tools = default_tool_messages(chat, tools), None
+        variables = {**self.template_tokens, "tools": tools or None, "documents": None, **template_kwargs}
         try:
             template = compile_chat_template(self.chat_template)
             return template.render(messages=chat, add_generation_prompt=add_generation_prompt, **variables)
