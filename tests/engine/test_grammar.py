@@ -114,7 +114,7 @@ def test_json_object_output_is_json_or_its_prefix(engine) -> None:
     """Any JSON object: a random model's keys are unbounded strings, so some run to max_tokens; every output is
     still what the grammar accepts (a finished one parses as an object)."""
     spec = GrammarSpec.json_object()
-    out = run(engine, SamplingParams(temperature=1.0, max_tokens=40, n=4, seed=5, grammar=spec))
+    out = run(engine, SamplingParams(temperature=1.0, max_tokens=30, n=2, seed=5, grammar=spec))
     template = engine.grammars.compiler.submit(spec).result().template
     for c in out.outputs:
         assert c.text.startswith("{") and template.deep_copy().consume_tokens(c.token_ids)
@@ -142,7 +142,7 @@ def test_forced_tokens_save_steps_and_keep_greedy_output(loaded) -> None:
 
 
 def test_seeded_sampling_is_reproducible_and_n_differs(engine) -> None:
-    params = SamplingParams(temperature=1.0, max_tokens=80, n=4, seed=7, grammar=GrammarSpec.json_schema(PERSON))
+    params = SamplingParams(temperature=1.0, max_tokens=60, n=3, seed=7, grammar=GrammarSpec.json_schema(PERSON))
     a, b = run(engine, params), run(engine, params)
     assert [c.text for c in a.outputs] == [c.text for c in b.outputs]
     assert len({c.text for c in a.outputs}) > 1
@@ -178,6 +178,7 @@ def test_a_complete_grammar_ends_the_output_even_before_min_tokens(engine) -> No
     assert out.outputs[0].finish_reason is FinishReason.STOP and out.outputs[0].text in ("yes", "no")
 
 
+@pytest.mark.slow
 def test_matcher_survives_preemption(loaded) -> None:
     """A KV pool too small for all four: sequences are preempted and recomputed; their grammar state is kept
     with their tokens, so the greedy outputs equal those of a roomy run."""
@@ -199,6 +200,7 @@ def test_matcher_survives_preemption(loaded) -> None:
         jsonschema.validate(json.loads(text), numbers)
 
 
+@pytest.mark.slow
 def test_speculation_steps_aside_for_constrained_sequences(loaded) -> None:
     eng = make_engine(loaded, speculative="ngram")
     plain = eng.add_request(PROMPT * 4, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))

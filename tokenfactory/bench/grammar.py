@@ -1,6 +1,8 @@
 """`python -m tokenfactory.bench.grammar`: what structured outputs cost and save, JSON out.
 
     python -m tokenfactory.bench.grammar libraries   xgrammar vs llguidance on our vocabulary (grammar_libs.py)
+    python -m tokenfactory.bench.grammar offline     the engine with and without a schema, forced tokens,
+                                                     compile times (grammar_engine.py)
 """
 
 from __future__ import annotations
@@ -32,19 +34,50 @@ def run_libraries(args: argparse.Namespace) -> dict[str, Any]:
     loaded = load_model(args.model)
     out: dict[str, Any] = {"bench": "grammar-libraries", "machine": machine(), "threads": args.threads,
                            "vocab_size": loaded.config.vocab_size, "num_steps": args.steps, "libraries": {}}
-    for name in args.libraries.split(","):
-        try:
-            out["libraries"][name] = grammar_libs.measure_library(
-                name, loaded.tokenizer, loaded.config.vocab_size, num_threads=args.threads, num_steps=args.steps,
-                repeats=args.repeats, num_memory=args.memory_matchers, seed=args.seed)
-        except ImportError as e:
-            out["libraries"][name] = {"library": name, "error": f"not installed: {e}"}
+    names = args.libraries.split(",")
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    # Rounds alternate the libraries' order, and every figure is the median over rounds: on a shared machine
+    # the load drifts, and it should drift over both alike.
+    for r in range(args.rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            if out["libraries"].get(name, {}).get("error"):
+                continue
+            try:
+                rounds[name].append(grammar_libs.measure_library(
+                    name, loaded.tokenizer, loaded.config.vocab_size, num_threads=args.threads,
+                    num_steps=args.steps, repeats=args.repeats, seed=args.seed))
+            except ImportError as e:
+                out["libraries"][name] = {"library": name, "error": f"not installed: {e}"}
+    for name in names:
+        if out["libraries"].get(name, {}).get("error"):
             continue
+        out["libraries"][name] = {**grammar_libs.median_of(rounds[name]), "num_rounds": len(rounds[name])}
+        out["libraries"][name]["memory"] = {
+            schema: grammar_libs.in_child(name, "memory", 120.0, schema=schema, seed=args.seed,
+                                          count=args.memory_matchers, num_threads=args.threads)
+            for schema in ("order", "tools20")}
         out["libraries"][name]["pathological"] = {
             f"nested_any_of_{d}x{w}": grammar_libs.in_child(name, "pathological", args.pathological_limit_s,
                                                             depth=d, width=w, num_threads=args.threads)
             for d, w in ((3, 5), (4, 6))}
     out["apply_mask"] = grammar_libs.apply_mask_cost(loaded.config.vocab_size)
+    out["loadavg_1m_at_end"] = os.getloadavg()[0]
+    return out
+
+
+def run_offline(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from tokenfactory.bench import grammar_engine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out: dict[str, Any] = {"bench": "grammar-offline", "machine": machine(), "threads": torch.get_num_threads(),
+                           "model": args.model or "bundled SmolLM2-135M-Instruct", "rounds": args.rounds,
+                           "max_tokens": args.max_tokens, "temperature": args.temperature}
+    out["compile"] = grammar_engine.compile_times(args)
+    out["forced_tokens"] = grammar_engine.forced_savings(args)
+    out["throughput"] = grammar_engine.throughput(args)
     out["loadavg_1m_at_end"] = os.getloadavg()[0]
     return out
 
@@ -61,11 +94,22 @@ def main(argv: list[str] | None = None) -> None:
     lib.add_argument("--repeats", type=int, default=5, help="cold compiles per schema")
     lib.add_argument("--memory-matchers", type=int, default=1000)
     lib.add_argument("--pathological-limit-s", type=float, default=30.0)
+    lib.add_argument("--rounds", type=int, default=3, help="measurements per library, interleaved; medians kept")
     lib.add_argument("--seed", type=int, default=0)
     lib.add_argument("--out", default="results/bench-grammar-libraries.json")
+    off = sub.add_parser("offline", help="the engine with and without a schema; forced tokens; compile times")
+    off.add_argument("--model", default=None)
+    off.add_argument("--clients", type=lambda v: [int(x) for x in v.split(",")], default=[1, 8, 32])
+    off.add_argument("--rounds", type=int, default=3)
+    off.add_argument("--max-tokens", type=int, default=256)
+    off.add_argument("--temperature", type=float, default=0.7)
+    off.add_argument("--compile-repeats", type=int, default=10)
+    off.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    off.add_argument("--machine-profile", default="auto")
+    off.add_argument("--out", default="results/bench-grammar-offline.json")
     args = p.parse_args(argv)
     started = time.time()
-    result = {"libraries": run_libraries}[args.part](args)
+    result = {"libraries": run_libraries, "offline": run_offline}[args.part](args)
     result["wall_s"] = time.time() - started
     text = json.dumps(result, indent=2)
     if args.out == "-":

@@ -325,7 +325,9 @@ def _child(name: str, task: str, queue: mp.Queue, kwargs: dict[str, Any]) -> Non
     from tokenfactory.models.loader import load_model
 
     loaded = load_model(None)
+    before_setup = rss_bytes()
     lib = LIBRARIES[name](loaded.tokenizer, loaded.config.vocab_size, kwargs["num_threads"])
+    setup_bytes = rss_bytes() - before_setup
     lib.vocab_size = loaded.config.vocab_size  # type: ignore[attr-defined]
     if task == "memory":
         schema = {"order": ORDER_SCHEMA, "tools20": tool_call_schema(tool_definitions())}[kwargs["schema"]]
@@ -333,7 +335,7 @@ def _child(name: str, task: str, queue: mp.Queue, kwargs: dict[str, Any]) -> Non
         before = rss_bytes()
         compiled = lib.compile(schema)
         compiled_bytes = rss_bytes() - before
-        queue.put({"compiled_kib": compiled_bytes / 1024,
+        queue.put({"setup_mib": setup_bytes / 2**20, "compiled_kib": compiled_bytes / 1024,
                    "per_matcher_kib": memory_per_matcher(lib, compiled, token_lists, kwargs["count"]) / 1024})
         return
     t0 = time.perf_counter()
@@ -358,8 +360,23 @@ def in_child(name: str, task: str, limit_s: float, **kwargs: Any) -> dict[str, A
     return queue.get() if not queue.empty() else {"outcome": f"child died ({proc.exitcode})", "compile_s": None}
 
 
+def median_of(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rounds of the same measurement -> one, each number the median over rounds (other values: the first's)."""
+    first = rounds[0]
+    out: dict[str, Any] = {}
+    for key, value in first.items():
+        values = [r[key] for r in rounds if key in r]
+        if isinstance(value, dict):
+            out[key] = median_of(values)
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            out[key] = statistics.median(values)
+        else:
+            out[key] = value
+    return out
+
+
 def measure_library(name: str, tokenizer: Any, vocab_size: int, *, num_threads: int, num_steps: int,
-                    repeats: int, num_memory: int, seed: int) -> dict[str, Any]:
+                    repeats: int, seed: int) -> dict[str, Any]:
     before = rss_bytes()
     t0 = time.perf_counter()
     lib = LIBRARIES[name](tokenizer, vocab_size, num_threads)
@@ -380,8 +397,6 @@ def measure_library(name: str, tokenizer: Any, vocab_size: int, *, num_threads: 
             row[f"batch_{batch}"] = {
                 "parallel": time_masks(lib, compiled, token_lists, batch, num_steps, parallel=True),
                 "loop": time_masks(lib, compiled, token_lists, batch, num_steps, parallel=False)}
-        row["memory"] = in_child(name, "memory", 120.0, schema=schema_name, seed=seed, count=num_memory,
-                                 num_threads=num_threads)
         row.update(forced_share(lib, compiled, token_lists[:16]))
         row.update(check_masks(lib, compiled, token_lists))
         out["schemas"][schema_name] = row
