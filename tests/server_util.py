@@ -129,10 +129,11 @@ class Gateway:
 
 def start_gateway(engine: Any, data_dir: Path, *, auth: bool = False, max_waiting: int = 64,  # noqa: ANN401
                   max_body_bytes: int = 200_000, model_name: str = "fake-tiny", watts: float = 100.0,
-                  timeout: float = 20) -> Gateway:
+                  timeout: float = 20, batch: Any = None) -> Gateway:  # noqa: ANN401 - BatchSettings
     """Wire the gateway as `tokenfactory serve` does (serve/cli.py): a Meter on a constant power source
     hearing the engine's steps, a SQLite ledger in `data_dir`, Admission (and with `auth`, a TenantStore
-    on the ledger's database), limits.wrap_app; start `engine` and serve on a free loopback port."""
+    on the ledger's database), limits.wrap_app, the Batch API (with `batch`'s settings); start `engine` and
+    serve on a free loopback port."""
     import uvicorn
 
     from tokenfactory.batch.routes import install_batch_routes
@@ -163,7 +164,7 @@ def start_gateway(engine: Any, data_dir: Path, *, auth: bool = False, max_waitin
 
     settings = ServerSettings(served_model_name=model_name, max_waiting=max_waiting, max_body_bytes=max_body_bytes)
     app = build_app(engine, settings, accounting, on_shutdown=shutdown, tenancy=tenancy)
-    install_batch_routes(app, app.state.service)
+    install_batch_routes(app, app.state.service, batch)
     engine.start()
     limits, port = LimitSettings(), free_port()
     config = uvicorn.Config(wrap_app(app, limits), host="127.0.0.1", port=port, log_level="warning",

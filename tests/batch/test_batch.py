@@ -16,7 +16,7 @@ import pytest
 
 from tests.fake_engine import SCRIPTS, FakeEngineClient
 from tests.server_util import Gateway, start_gateway
-from tokenfactory.batch.store import BatchStore, PendingLine, line_request_id
+from tokenfactory.batch.store import BatchStore, PendingLine, RejectedLine, line_request_id
 from tokenfactory.engine.client import AddRequest
 from tokenfactory.meter.ledger import Ledger
 from tokenfactory.tenants.store import Budget, Tenant
@@ -258,8 +258,8 @@ def test_the_store_keeps_files_private_and_a_second_validation_starts_over(tmp_p
     store.add_job({"batch_id": "batch_x", "tenant": "t", "endpoint": "/v1/completions", "input_file_id": row["file_id"],
                    "completion_window": "24h", "status": "validating", "created_at": 1, "expires_at": 2})
     lines = [PendingLine(i, f"c{i}", {"prompt": "p"}) for i in range(1, 4)]
-    store.start_lines("batch_x", lines, [])
-    store.start_lines("batch_x", lines[:2], [(3, "c3", {"error": "bad"})])  # again, as after a kill mid-way
+    store.start_lines("batch_x", lines)
+    store.start_lines("batch_x", [*lines[:2], RejectedLine(3, "c3", {"error": "bad"})])  # again, as after a kill
     assert [p.line for p in store.pending_lines("batch_x")] == [1, 2]
     assert store.results("batch_x", "error") == [{"error": "bad"}]
     assert store.get_job("batch_x")["status"] == "in_progress"

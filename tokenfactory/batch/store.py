@@ -1,30 +1,34 @@
 """Batch jobs (the OpenAI Batch API) made durable: files on disk, jobs and their lines in the ledger's database.
 
-    batch_files     one row per uploaded input or written output/error file; the bytes are
-                    <data_dir>/batch/<file_id>.jsonl (0600)
+    batch_files     one row per uploaded input or written output/error file, with its expiry; the bytes
+                    are <data_dir>/batch/<file_id>.jsonl (0600), written before the row and removed
+                    with it
     batch_jobs      one row per job: OpenAI's Batch fields (status and its timestamps, files, counts)
     batch_lines     one row per input line: pending, done (a 200) or error, with the line's output
                     line (JSON) and its usage (tokens, joules, cost, device time) for the job's totals
 
-A job's lines are parsed and inserted in one transaction with the job's move to in_progress, and a line
-becomes done in one UPDATE that carries its output, so a server killed at any point resumes with exactly
-the lines that finished, and runs only the others. Each line's ledger row has the request id
-`line_request_id(batch_id, line)`; a line that finished its ledger row but not its UPDATE before the kill
-runs again and its second row is skipped by the ledger's unique request_id (never billed twice).
+A job's lines are parsed and inserted in one transaction with the job's move to in_progress (streamed in
+chunks: a 50,000-line file is never a list in memory), and a line becomes done in one UPDATE that carries
+its output, so a server killed at any point resumes with exactly the lines that finished, and runs only the
+others, read back a page at a time. Each line's ledger row has the request id `line_request_id(batch_id,
+line)`: a line that finished its ledger row but not its UPDATE before the kill runs again and its second
+row is skipped (never billed twice); a line cut off by a shutdown (an aborted row) runs again and its
+answer supersedes the aborted row (meter/ledger.py: one row per request id, for the attempt that answered).
 
 Light: SQLAlchemy and the standard library only (the gateway's runner and `tokenfactory batch run` use it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 
@@ -32,6 +36,7 @@ from tokenfactory.meter.paths import PRIVATE_FILE_MODE, make_private_dir
 from tokenfactory.meter.schema import metadata
 
 BATCH_DIRNAME = "batch"
+MAX_FILENAME_CHARS = 512  # the column's size
 ACTIVE_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
 LINE_STATES = ("pending", "done", "error")
 
@@ -40,9 +45,12 @@ files_table = sa.Table(
     sa.Column("file_id", sa.String(64), primary_key=True),
     sa.Column("tenant", sa.String(128), nullable=False),
     sa.Column("purpose", sa.String(32), nullable=False),  # batch | batch_output
-    sa.Column("filename", sa.String(512), nullable=False),
+    sa.Column("filename", sa.String(MAX_FILENAME_CHARS), nullable=False),
     sa.Column("bytes", sa.Integer, nullable=False),
     sa.Column("created_at", sa.Integer, nullable=False),  # unix seconds, as OpenAI's objects carry them
+    sa.Column("expires_at", sa.Integer, nullable=True),  # unix seconds; NULL: kept until deleted (older rows)
+    sa.Index("ix_batch_files_tenant", "tenant"),
+    sa.Index("ix_batch_files_expires_at", "expires_at"),
 )
 
 jobs_table = sa.Table(
@@ -61,6 +69,7 @@ jobs_table = sa.Table(
     sa.Column("error_file_id", sa.String(64), nullable=True),
     sa.Column("metadata_json", sa.Text, nullable=True),
     sa.Column("errors_json", sa.Text, nullable=True),  # OpenAI's errors.data: job-level failures
+    sa.Column("output_expires_after", sa.Integer, nullable=True),  # seconds the output files live; NULL: default
     sa.Index("ix_batch_jobs_tenant_created_at", "tenant", "created_at"),
 )
 
@@ -82,6 +91,8 @@ lines_table = sa.Table(
 )
 
 TABLES = [files_table, jobs_table, lines_table]
+ADDED_COLUMNS = ((files_table, "expires_at", "INTEGER"), (jobs_table, "output_expires_after", "INTEGER"))
+LINE_CHUNK = 1000  # lines per INSERT while a file is validated
 
 
 def new_id(prefix: str) -> str:
@@ -115,6 +126,14 @@ class PendingLine:
     body: dict[str, Any]
 
 
+class RejectedLine(NamedTuple):
+    """A line that cannot run: its error line is the outcome."""
+
+    line: int
+    custom_id: str | None
+    result: dict[str, Any]
+
+
 @dataclass(frozen=True)
 class JobTotals:
     """Sums over a job's lines: its counts and usage (energy None when no line measured any)."""
@@ -141,6 +160,15 @@ class BatchStore:
         self.directory = Path(data_dir) / BATCH_DIRNAME
         make_private_dir(self.directory)
         metadata.create_all(engine, tables=TABLES)
+        self._add_columns()
+
+    def _add_columns(self) -> None:
+        """Tables made before a column existed get it (nullable: old rows read NULL)."""
+        inspector = sa.inspect(self.engine)
+        for table, column, kind in ADDED_COLUMNS:
+            if column not in {c["name"] for c in inspector.get_columns(table.name)}:
+                with self.engine.begin() as conn:
+                    conn.execute(sa.text(f"ALTER TABLE {table.name} ADD COLUMN {column} {kind}"))
 
     # -- files --------------------------------------------------------------------------------------------
 
@@ -149,8 +177,10 @@ class BatchStore:
             raise KeyError(file_id)
         return self.directory / f"{file_id}.jsonl"
 
-    def add_file(self, content: bytes, filename: str, purpose: str, tenant: str, file_id: str | None = None) -> dict:
-        """Write the bytes (fsynced) then the row; `file_id` given: a known id (the offline runner's)."""
+    def add_file(self, content: bytes, filename: str, purpose: str, tenant: str, file_id: str | None = None,
+                 expires_at: int | None = None) -> dict:
+        """Write the bytes (fsynced) then the row (the bytes removed again if the row is refused); `file_id`
+        given: a known id (the offline runner's, or a job's output)."""
         file_id = file_id or new_id("file-")
         path = self.path(file_id)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE_MODE)
@@ -158,28 +188,62 @@ class BatchStore:
             f.write(content)
             f.flush()
             os.fsync(f.fileno())
-        row = {"file_id": file_id, "tenant": tenant, "purpose": purpose, "filename": filename,
-               "bytes": len(content), "created_at": int(time.time())}
-        with self.engine.begin() as conn:
-            conn.execute(sa.delete(files_table).where(files_table.c.file_id == file_id))
-            conn.execute(files_table.insert(), row)
+        row = {"file_id": file_id, "tenant": tenant, "purpose": purpose, "filename": filename[:MAX_FILENAME_CHARS],
+               "bytes": len(content), "created_at": int(time.time()), "expires_at": expires_at}
+        try:
+            with self.engine.begin() as conn:
+                conn.execute(sa.delete(files_table).where(files_table.c.file_id == file_id))
+                conn.execute(files_table.insert(), row)
+        except BaseException:
+            path.unlink(missing_ok=True)  # no bytes without their row
+            raise
         return row
 
-    def get_file(self, file_id: str) -> dict | None:
+    def get_file(self, file_id: str, now: int | None = None) -> dict | None:
+        """The file's row; with `now`, None once it has expired (the sweeper removes it soon after)."""
         with self.engine.connect() as conn:
             row = conn.execute(sa.select(files_table).where(files_table.c.file_id == file_id)).first()
-        return row._asdict() if row is not None else None
+        if row is None or (now is not None and row.expires_at is not None and row.expires_at <= now):
+            return None
+        return row._asdict()
 
-    def list_files(self, tenant: str | None, purpose: str | None) -> list[dict]:
-        """Newest first; `tenant` None: everyone's."""
+    def list_files(self, tenant: str | None, purpose: str | None, now: int | None = None) -> list[dict]:
+        """Newest first, unexpired at `now` (if given); `tenant` None: everyone's."""
         t = files_table
         stmt = sa.select(t).order_by(t.c.created_at.desc(), t.c.file_id)
         if tenant is not None:
             stmt = stmt.where(t.c.tenant == tenant)
         if purpose is not None:
             stmt = stmt.where(t.c.purpose == purpose)
+        if now is not None:
+            stmt = stmt.where(sa.or_(t.c.expires_at.is_(None), t.c.expires_at > now))
         with self.engine.connect() as conn:
             return [r._asdict() for r in conn.execute(stmt.limit(10_000))]
+
+    def delete_file(self, file_id: str) -> bool:
+        """The row, then the bytes; False if there was no such file."""
+        with self.engine.begin() as conn:
+            deleted = conn.execute(sa.delete(files_table).where(files_table.c.file_id == file_id)).rowcount > 0
+        with contextlib.suppress(KeyError):
+            self.path(file_id).unlink(missing_ok=True)
+        return deleted
+
+    def storage(self, tenant: str) -> tuple[int, int]:
+        """(files, bytes) the tenant keeps (expired ones not yet swept included: they still take the disk)."""
+        t = files_table
+        with self.engine.connect() as conn:
+            num, size = conn.execute(sa.select(sa.func.count(), sa.func.coalesce(sa.func.sum(t.c.bytes), 0))
+                                     .where(t.c.tenant == tenant)).one()
+        return int(num), int(size)
+
+    def expired_files(self, now: int, limit: int = 1000) -> list[str]:
+        """Files past their expiry, except the input of a job still being validated (it reads it)."""
+        t, j = files_table, jobs_table
+        in_use = sa.select(j.c.input_file_id).where(j.c.status == "validating")
+        stmt = (sa.select(t.c.file_id).where(t.c.expires_at.is_not(None)).where(t.c.expires_at <= now)
+                .where(t.c.file_id.not_in(in_use)).limit(limit))
+        with self.engine.connect() as conn:
+            return list(conn.execute(stmt).scalars())
 
     def read_file(self, file_id: str) -> bytes:
         return self.path(file_id).read_bytes()
@@ -208,6 +272,12 @@ class BatchStore:
         with self.engine.connect() as conn:
             return [r._asdict() for r in conn.execute(stmt.limit(limit))]
 
+    def num_active_jobs(self, tenant: str) -> int:
+        t = jobs_table
+        with self.engine.connect() as conn:
+            return conn.execute(sa.select(sa.func.count()).where(t.c.tenant == tenant)
+                                .where(t.c.status.in_(ACTIVE_STATUSES))).scalar_one()
+
     def active_jobs(self) -> list[dict]:
         """Jobs a restart must resume, oldest first."""
         t = jobs_table
@@ -230,26 +300,26 @@ class BatchStore:
 
     # -- lines --------------------------------------------------------------------------------------------
 
-    def start_lines(self, batch_id: str, pending: list[PendingLine], rejected: list[tuple[int, str | None, dict]],
-                    ) -> None:
-        """Validation's outcome in one transaction: every line (pending, or an error line for a malformed
-        one) and the job in_progress; run again after a kill before it committed, it starts over."""
-        rows = [{"batch_id": batch_id, "line": p.line, "custom_id": p.custom_id, "state": "pending",
-                 "request_json": json.dumps(p.body), "result_json": None} for p in pending]
-        rows += [{"batch_id": batch_id, "line": line, "custom_id": custom_id, "state": "error",
-                  "request_json": None, "result_json": json.dumps(result)} for line, custom_id, result in rejected]
+    def start_lines(self, batch_id: str, lines: Iterable[PendingLine | RejectedLine]) -> None:
+        """Validation's outcome in one transaction: every line (pending, or an error line for one that cannot
+        run), inserted `LINE_CHUNK` at a time as `lines` yields them, and the job in_progress; run again after
+        a kill before it committed, it starts over. An exception from `lines` rolls it all back."""
         with self.engine.begin() as conn:
             conn.execute(sa.delete(lines_table).where(lines_table.c.batch_id == batch_id))
-            if rows:
+            for rows in _chunks((_line_row(batch_id, item) for item in lines), LINE_CHUNK):
                 conn.execute(lines_table.insert(), rows)
             conn.execute(sa.update(jobs_table).where(jobs_table.c.batch_id == batch_id)
                          .where(jobs_table.c.status == "validating")
                          .values(status="in_progress", in_progress_at=int(time.time())))
 
-    def pending_lines(self, batch_id: str) -> list[PendingLine]:
+    def pending_lines(self, batch_id: str, after: int = 0, limit: int | None = None) -> list[PendingLine]:
+        """Pending lines numbered above `after`, in order, at most `limit` (a page: the runner never holds a
+        job's lines all at once)."""
         t = lines_table
         stmt = sa.select(t.c.line, t.c.custom_id, t.c.request_json).where(t.c.batch_id == batch_id) \
-            .where(t.c.state == "pending").order_by(t.c.line)
+            .where(t.c.state == "pending").where(t.c.line > after).order_by(t.c.line)
+        if limit is not None:
+            stmt = stmt.limit(limit)
         with self.engine.connect() as conn:
             return [PendingLine(r.line, r.custom_id, json.loads(r.request_json)) for r in conn.execute(stmt)]
 
@@ -292,7 +362,8 @@ class BatchStore:
             energy_sources=tuple(sorted({r[1] for r in rows if r[1] is not None})),
             cost_usd=sum(costs) if costs else None, device_seconds=sum(r[10] or 0.0 for r in rows))
 
-    def write_results(self, batch_id: str, tenant: str) -> tuple[str | None, str | None]:
+    def write_results(self, batch_id: str, tenant: str, expires_at: int | None = None
+                      ) -> tuple[str | None, str | None]:
         """The output and error files from the lines (ids derived from the job's, so a finalization
         interrupted and run again rewrites the same files); None for an empty one."""
         ids = []
@@ -303,6 +374,26 @@ class BatchStore:
                 continue
             content = "".join(json.dumps(line) + "\n" for line in lines).encode()
             file_id = f"file-{batch_id.removeprefix('batch_')}-{suffix}"
-            self.add_file(content, f"{batch_id}_{suffix}.jsonl", "batch_output", tenant, file_id=file_id)
+            self.add_file(content, f"{batch_id}_{suffix}.jsonl", "batch_output", tenant, file_id=file_id,
+                          expires_at=expires_at)
             ids.append(file_id)
         return ids[0], ids[1]
+
+
+def _line_row(batch_id: str, item: PendingLine | RejectedLine) -> dict[str, Any]:
+    if isinstance(item, PendingLine):
+        return {"batch_id": batch_id, "line": item.line, "custom_id": item.custom_id, "state": "pending",
+                "request_json": json.dumps(item.body), "result_json": None}
+    return {"batch_id": batch_id, "line": item.line, "custom_id": item.custom_id, "state": "error",
+            "request_json": None, "result_json": json.dumps(item.result)}
+
+
+def _chunks(rows: Iterable[dict[str, Any]], size: int) -> Iterator[list[dict[str, Any]]]:
+    chunk: list[dict[str, Any]] = []
+    for row in rows:
+        chunk.append(row)
+        if len(chunk) >= size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk

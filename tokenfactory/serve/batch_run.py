@@ -47,7 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def first_url(content: bytes) -> str:
-    for text in content.decode("utf-8", errors="replace").splitlines():
+    for text in content.decode("utf-8", errors="replace").split("\n"):  # JSONL: \n only, as the runner splits
         try:
             url = json.loads(text).get("url")
         except (ValueError, AttributeError):

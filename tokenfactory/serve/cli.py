@@ -146,8 +146,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(repeatable; '*': any). Other names are refused, so that a web page cannot reach the server "
                         "through DNS rebinding (docs/server.md, \"Trust without --auth\")")
     add_limit_args(p)
-    p.add_argument("--batch-lines-in-flight", type=int, default=32,
-                   help="Batch API lines in the engine at once, all jobs together (docs/batch.md)")
+    g = p.add_argument_group("batch API (docs/batch.md)")
+    g.add_argument("--batch-lines-in-flight", type=int, default=32,
+                   help="Batch API lines in the engine at once, all jobs together")
+    g.add_argument("--batch-lines-per-tenant", type=int, default=None,
+                   help="of those, the most one tenant's jobs hold at once (default: half; all of them without --auth)")
+    g.add_argument("--batch-jobs-per-tenant", type=int, default=16, help="batches one tenant may have running")
+    g.add_argument("--batch-storage-per-tenant", type=parse_memory, default=1 << 30,
+                   help="bytes of Batch API files one tenant may keep (default 1GiB)")
+    g.add_argument("--batch-stop-grace", type=float, default=10.0,
+                   help="at shutdown, seconds the lines in flight get to finish before they are cut off (they run "
+                        "again at the next start, billed once)")
+    g.add_argument("--batch-cancel-grace", type=float, default=60.0,
+                   help="seconds a cancelled (or stopped) batch's lines in flight get to finish before they are cut "
+                        "off and reported with what they billed")
     add_fleet_args(p)
     from tokenfactory.serve.scenario import add_profile_args  # serve --profile (planner/scenarios.py)
 
@@ -226,6 +238,16 @@ def add_limit_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--send-buffer", type=parse_memory, default=256 << 10,
                    help="the kernel's send buffer per connection (SO_SNDBUF): what a client that stops reading "
                         "can hold of the server's memory before --stream-send-timeout counts")
+
+
+def batch_settings_from_args(args: argparse.Namespace):  # noqa: ANN201 - BatchSettings (imports the gateway)
+    from tokenfactory.batch.runner import BatchSettings
+
+    return BatchSettings(max_lines_in_flight=args.batch_lines_in_flight,
+                         max_lines_in_flight_per_tenant=args.batch_lines_per_tenant,
+                         max_active_jobs_per_tenant=args.batch_jobs_per_tenant,
+                         max_bytes_per_tenant=int(args.batch_storage_per_tenant), stop_grace_s=args.batch_stop_grace,
+                         cancel_grace_s=args.batch_cancel_grace, prices_path=args.prices)
 
 
 def limit_settings_from_args(args: argparse.Namespace):  # noqa: ANN201 - LimitSettings (imports uvicorn)
@@ -531,7 +553,6 @@ def serve(args: argparse.Namespace) -> int:
     from sqlalchemy.exc import SQLAlchemyError
 
     from tokenfactory.batch.routes import install_batch_routes
-    from tokenfactory.batch.runner import BatchSettings
     from tokenfactory.engine.client import ChargeEnergy
     from tokenfactory.gateway.app import ServerSettings, build_app
     from tokenfactory.gateway.limits import raise_fd_limit, wrap_app
@@ -563,8 +584,7 @@ def serve(args: argparse.Namespace) -> int:
     tenancy, auth_line = build_tenancy(args, client, accounting)
     app = build_app(client, settings, accounting, on_shutdown=shutdown, tenancy=tenancy,
                     models=started.extra_models, allowed_hosts=args.allowed_host)
-    install_batch_routes(app, app.state.service, BatchSettings(max_lines_in_flight=args.batch_lines_in_flight,
-                                                               prices_path=args.prices))  # /v1/files, /v1/batches
+    install_batch_routes(app, app.state.service, batch_settings_from_args(args))  # /v1/files, /v1/batches
     if started.autoscaling is not None:  # GET /fleet/autoscaler, its /metrics, the TTFT feed
         from tokenfactory.serve.autoscale import install_autoscaler_routes
 
