@@ -130,20 +130,20 @@ class Gateway:
 def start_gateway(engine: Any, data_dir: Path, *, auth: bool = False, max_waiting: int = 64,  # noqa: ANN401
                   max_body_bytes: int = 200_000, model_name: str = "fake-tiny", watts: float = 100.0,
                   timeout: float = 20, batch: Any = None) -> Gateway:  # noqa: ANN401 - BatchSettings
-    """Wire the gateway as `tokenfactory serve` does (serve/cli.py): a Meter on a constant power source
+    """Wire the gateway as `tokenfactory serve` does (serve/wiring.py wire_app): a Meter on a constant power source
     hearing the engine's steps, a SQLite ledger in `data_dir`, Admission (and with `auth`, a TenantStore
     on the ledger's database), limits.wrap_app, the Batch API (with `batch`'s settings); start `engine` and
     serve on a free loopback port."""
     import uvicorn
 
-    from tokenfactory.batch.routes import install_batch_routes
     from tokenfactory.engine.client import SetTenantWeight
-    from tokenfactory.gateway.app import ServerSettings, build_app
+    from tokenfactory.gateway.app import ServerSettings
     from tokenfactory.gateway.limits import LimitSettings, wrap_app
     from tokenfactory.meter.attribution import Meter
     from tokenfactory.meter.ledger import LEDGER_FILENAME, Ledger
     from tokenfactory.meter.power import ConstantSource
     from tokenfactory.meter.prices import load_prices
+    from tokenfactory.serve.wiring import wire_app
     from tokenfactory.service.accounting import Accounting
     from tokenfactory.service.admission import Admission
     from tokenfactory.service.tenancy import Tenancy
@@ -163,8 +163,7 @@ def start_gateway(engine: Any, data_dir: Path, *, auth: bool = False, max_waitin
         accounting.close()
 
     settings = ServerSettings(served_model_name=model_name, max_waiting=max_waiting, max_body_bytes=max_body_bytes)
-    app = build_app(engine, settings, accounting, on_shutdown=shutdown, tenancy=tenancy)
-    install_batch_routes(app, app.state.service, batch)
+    app = wire_app(engine, settings, accounting, tenancy, on_shutdown=shutdown, batch=batch)
     engine.start()
     limits, port = LimitSettings(), free_port()
     config = uvicorn.Config(wrap_app(app, limits), host="127.0.0.1", port=port, log_level="warning",

@@ -347,7 +347,8 @@ def test_a_backends_own_queue_counts_as_outstanding_work() -> None:
 def test_auth_applies_the_tenants_priorities_and_weights_without_another_flag() -> None:
     import argparse
 
-    from tokenfactory.serve.cli import register, scheduling_policy
+    from tokenfactory.serve.cli import register
+    from tokenfactory.serve.flags import scheduling_policy
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())

@@ -119,7 +119,7 @@ def test_promtool_checks_and_unit_tests_the_rules():
 
 
 def test_a_servers_baseline_comes_from_a_saved_bench_run(tmp_path) -> None:
-    from tokenfactory.serve.cli import read_baseline
+    from tokenfactory.serve.flags import read_baseline
 
     run = tmp_path / "cpu-c8.json"
     run.write_text(json.dumps({"figures": {"joules_per_output_token": 0.02}}))

@@ -12,7 +12,8 @@ import pytest
 
 from tokenfactory.cli import build_parser
 from tokenfactory.gateway.limits import BodyDeadline, LimitedH11Protocol, LimitSettings, wrap_app
-from tokenfactory.serve.cli import display_url, limit_settings_from_args
+from tokenfactory.serve.flags import limit_settings_from_args
+from tokenfactory.serve.wiring import display_url
 
 Message = dict
 

@@ -65,7 +65,7 @@ def test_bad_prices_name_the_key(tmp_path):
 
 
 def test_a_gpu_server_is_never_priced_at_the_cpu_rate():
-    """serve passes the device type and torch's name of the card (serve/cli.py build_accounting): a
+    """serve passes the device type and torch's name of the card (serve/engine.py build_accounting): a
     CUDA device gets its matched profile, or the generic GPU one, never the CPU's."""
     cpu = load_prices(device_type="cpu").device
     h100 = load_prices(device_name="NVIDIA H100 80GB HBM3", device_type="cuda").device
@@ -83,7 +83,7 @@ def test_serve_selects_the_profile_from_the_cuda_device_name(monkeypatch, tmp_pa
     import torch
 
     from tests.fake_engine import FAKE_MODEL_CONFIG
-    from tokenfactory.serve.cli import accelerator_name, build_accounting
+    from tokenfactory.serve.engine import accelerator_name, build_accounting
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
     assert accelerator_name("cuda") == "NVIDIA H100 80GB HBM3" and accelerator_name("cpu") is None

@@ -99,7 +99,7 @@ def test_the_placed_model_computes_what_the_whole_one_did(tiny):
 
 
 def serve_args(*argv: str) -> argparse.Namespace:
-    from tokenfactory.serve.cli import add_engine_args
+    from tokenfactory.serve.flags import add_engine_args
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
@@ -109,7 +109,7 @@ def serve_args(*argv: str) -> argparse.Namespace:
 def test_the_start_up_check_counts_the_quantized_bytes(tiny, monkeypatch):
     # Free memory between the int4 model (no dense copy) and the float one: int4 starts, none does not.
     import tokenfactory.engine.memory as memory
-    from tokenfactory.serve.cli import load_checked
+    from tokenfactory.serve.engine import load_checked
 
     path = str(tiny.path)
     dev, dt = torch.device("cpu"), torch.float32

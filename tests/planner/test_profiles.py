@@ -70,12 +70,15 @@ def test_serve_profile_sets_what_the_user_left_at_its_default() -> None:
     parser = build_parser()
     args = parser.parse_args(["serve", "--profile", "latency", "--profile-device", "H100-SXM", "--max-num-seqs", "3",
                               "--autoscaler"])
-    line = apply_profile(args, args.profile_defaults)
-    assert args.max_num_seqs == 3  # given: kept
-    assert args.max_num_batched_tokens == 512 and args.speculative == "ngram" and args.autoscaler == "slo"
+    given = vars(args).copy()
+    chosen, line = apply_profile(args, args.flag_defaults)
+    assert vars(args) == given  # the user's flags are not written to
+    assert chosen.max_num_seqs == 3  # given: kept
+    assert chosen.max_num_batched_tokens == 512 and chosen.speculative == "ngram" and chosen.autoscaler == "slo"
     assert line is not None and line.startswith("latency:") and "H100-SXM" in line
     args = parser.parse_args(["serve"])
-    assert apply_profile(args, args.profile_defaults) is None and args.max_num_batched_tokens != 512
+    chosen, line = apply_profile(args, args.flag_defaults)
+    assert line is None and chosen is args and args.max_num_batched_tokens != 512
 
 
 @pytest.mark.slow

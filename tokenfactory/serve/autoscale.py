@@ -87,8 +87,7 @@ def start_autoscaler(args: argparse.Namespace, fleet: Fleet, config: EngineConfi
     from tokenfactory.fleet.autoscaler import SLO, AutoscalerConfig, Controller, ReplicaOption, make_autoscaler
     from tokenfactory.fleet.scaling_pool import ControllerThread, FleetPool, observe_steps
 
-    if args.autoscaler == "auto":  # no --profile chose it
-        args.autoscaler = "slo"
+    policy = "slo" if args.autoscaler == "auto" else args.autoscaler  # "auto" that no --profile chose
     scaling = AutoscalerConfig(args.min_replicas, args.max_replicas, SLO(args.ttft_slo, args.tpot_slo),
                                up_delay_s=args.scale_up_delay, down_delay_s=args.scale_down_delay,
                                interval_s=args.autoscale_interval)
@@ -98,7 +97,7 @@ def start_autoscaler(args: argparse.Namespace, fleet: Fleet, config: EngineConfi
 
     pool = FleetPool(fleet, replica_factory(args, config, threads, power), option.name,
                      allow_zero=scaling.min_replicas == 0)
-    controller = Controller(make_autoscaler(args.autoscaler, scaling, [option]), pool, held=lambda: fleet.num_held)
+    controller = Controller(make_autoscaler(policy, scaling, [option]), pool, held=lambda: fleet.num_held)
     observe_steps(fleet, controller.latency)
     thread = ControllerThread(controller, scaling.interval_s)
     thread.start()

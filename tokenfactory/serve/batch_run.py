@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from tokenfactory.serve.cli import add_engine_args
+from tokenfactory.serve.flags import add_engine_args
 
 DEFAULT_ENDPOINT = "/v1/chat/completions"
 
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
 
     from tokenfactory.models.loader import served_name
-    from tokenfactory.serve.cli import launch_checked
+    from tokenfactory.serve.engine import launch_checked
 
     source = Path(args.input)
     content = source.read_bytes()  # FileNotFoundError: the cli's "error: ..." and status 2

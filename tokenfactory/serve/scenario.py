@@ -23,8 +23,6 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
                    help="latency (small batches, short chunks, speculation), throughput (largest batches) or "
                         "efficiency (fewest joules per token, the energy autoscaler), from the planner's model")
     g.add_argument("--profile-device", help="the catalog device that models this machine for --profile")
-    # Called last in `serve`'s registration: every flag's default is known, so apply_profile can tell them apart.
-    p.set_defaults(profile_defaults={a.dest: a.default for a in p._actions})
 
 
 def _device(args: argparse.Namespace, catalog: object) -> str:
@@ -39,10 +37,12 @@ def _device(args: argparse.Namespace, catalog: object) -> str:
     return next((n for n in names if n.split("-")[0].lower() in gpu), "H100-SXM")
 
 
-def apply_profile(args: argparse.Namespace, parser_defaults: dict[str, object]) -> str | None:
-    """Set the profile's values on `args` where the user left the default; the banner line, or None."""
+def apply_profile(args: argparse.Namespace, parser_defaults: dict[str, object]
+                  ) -> tuple[argparse.Namespace, str | None]:
+    """The flags with the profile's values where the user left the default (`parser_defaults`: what the parser
+    gives when no flag is given), as a new namespace (the user's is not written to), and the banner line."""
     if not getattr(args, "profile", None):
-        return None
+        return args, None
     from tokenfactory.models.loader import bundled_model_path
     from tokenfactory.planner.catalog import load_catalog
     from tokenfactory.planner.hardware import hardware_from_catalog
@@ -63,9 +63,9 @@ def apply_profile(args: argparse.Namespace, parser_defaults: dict[str, object]) 
     profile = make_profile(args.profile, StepModel(hw, model, weights, kv), workload,
                            memory.max_seqs(workload.prompt_tokens + workload.output_tokens),
                            f"modelled on {device.name}")
-    for flag, field in PROFILE_FLAGS.items():
-        if hasattr(args, flag) and getattr(args, flag) == parser_defaults.get(flag):
-            setattr(args, flag, getattr(profile, field))
+    chosen = {flag: getattr(profile, field) for flag, field in PROFILE_FLAGS.items()
+              if hasattr(args, flag) and getattr(args, flag) == parser_defaults.get(flag)}
     if getattr(args, "autoscaler", None) == "auto":
-        args.autoscaler = profile.autoscaler
-    return f"{profile.describe()} ({profile.reason}; flags you gave win)"
+        chosen["autoscaler"] = profile.autoscaler
+    line = f"{profile.describe()} ({profile.reason}; flags you gave win)"
+    return argparse.Namespace(**{**vars(args), **chosen}), line
