@@ -167,18 +167,27 @@ def test_doctor_machine_prints_and_remeasures(tiny_q4, cache, capsys) -> None:
 @pytest.mark.slow
 def test_doctor_machine_on_the_bundled_model(tmp_path) -> None:
     """As a user runs it: a fresh cache, the bundled model, every int4 group and the thread policy measured."""
-    import os
     import subprocess
     import sys
 
     env = {**os.environ, "TOKENFACTORY_PROFILE_CACHE": str(tmp_path)}
-    run = subprocess.run([sys.executable, "-m", "tokenfactory.cli", "doctor", "--machine", "--json"], env=env,
-                         capture_output=True, text=True, timeout=300, check=True)
-    data = json.loads(run.stdout)
+
+    def doctor() -> dict:
+        run = subprocess.run([sys.executable, "-m", "tokenfactory.cli", "doctor", "--machine", "--json",
+                              "--threads", "2"],  # two whatever the machine has: one has no thread policy to choose
+                             env=env, capture_output=True, text=True, timeout=300, check=True)
+        return json.loads(run.stdout)
+
+    data = doctor()
+    assert data["source"] == "measured" and data["measure_s"] > 0
     groups = [c["group"] for c in data["crossovers"]]
     assert any(g.startswith("int4-g32 via cpu-int4pack, 3072x576") for g in groups)  # the MLP's fused gate/up
-    assert data["threads"] is None or data["threads"]["max_threads"] == (os.cpu_count() or 1)
-    assert data["measure_s"] > 0 and (list(tmp_path.glob("*.json")) or not data["stable"])  # a busy machine: not kept
+    assert data["threads"]["max_threads"] == 2 and data["threads"]["rows"] == list(tuning.THREAD_ROWS)
+    # Kept, steady or not (an unsteady one for UNSTEADY_KEEP_S): the next start reads the same choices back.
+    (path,) = tmp_path.glob("*.json")
+    again = doctor()
+    assert again["source"] == "cached" and again["path"] == str(path)
+    assert again["crossovers"] == data["crossovers"] and again["threads"] == data["threads"]
 
 
 def test_passes_repeat_until_steady() -> None:

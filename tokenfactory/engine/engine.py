@@ -287,8 +287,8 @@ class LLMEngine:
         start = time.monotonic()
         failed = self._start_compiled() if self.grammars.num_pending else []
         preempted_before = self.scheduler.num_preemptions
-        isolated = self.scheduler.isolate = self.faults.isolated(self.requests)
-        sched = self.scheduler.schedule(self._propose())
+        isolated = self.faults.isolated(self.requests)
+        sched = self.scheduler.schedule(self._propose(), isolate=isolated)
         num_constrained = sum(1 for c in sched.chunks if self.grammars.constrains(c.seq.seq_id)) \
             if self.grammars.num_active else 0
         if isolated is not None and sched.is_empty:

@@ -165,15 +165,14 @@ class Scheduler:
         self.waiting: SchedulingPolicy = policy if policy is not None else FCFSPolicy()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        # Fault isolation (faults.py): when set, only this request's sequences are served this step.
-        self.isolate: str | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.add(seq)
 
-    def schedule(self, drafts: dict[str, Draft] | None = None) -> SchedulerOutput:
+    def schedule(self, drafts: dict[str, Draft] | None = None, isolate: str | None = None) -> SchedulerOutput:
         """`drafts`: speculative tokens per decoding sequence; each is scheduled if the budget and the KV
-        pool allow it right away (a draft never preempts anyone), else dropped or shortened."""
+        pool allow it right away (a draft never preempts anyone), else dropped or shortened. `isolate`: fault
+        isolation (faults.py): only this request's sequences are served this step."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         drafts = drafts or {}
@@ -183,12 +182,12 @@ class Scheduler:
         self.demand = self._batch_demand()  # moves between running and waiting this step do not change it
         others = self.demand.num_waiting_other + self.demand.num_running_other > 0
         self.num_steps_without_others = 0 if others else self.num_steps_without_others + 1
-        self._yield_seats(out)
+        self._yield_seats(out, isolate)
         num_yielded = len(out.preempted)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if self.isolate is not None and seq.request_id != self.isolate:
+            if isolate is not None and seq.request_id != isolate:
                 i += 1
                 continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -209,7 +208,7 @@ class Scheduler:
                 continue
             break  # preempted itself: nothing behind it can be served either
         if len(out.preempted) == num_yielded:  # no sequence preempted for lack of blocks
-            budget = self._admit_waiting(out, budget)
+            budget = self._admit_waiting(out, budget, isolate)
         for chunk in out.chunks:
             self.waiting.on_scheduled(chunk.seq, chunk.num_new_tokens)
         # Decodes first, then prefills: the model runner batches the decodes' attention together.
@@ -243,7 +242,7 @@ class Scheduler:
             return self.demand.num_kept
         return self.max_num_seqs
 
-    def _yield_seats(self, out: SchedulerOutput) -> None:
+    def _yield_seats(self, out: SchedulerOutput, isolate: str | None) -> None:
         """Preempt the newest running batch sequences (never below the kept seats): those above the cap,
         and as many as waiting non-batch sequences lack seats; the running list is sorted, batch last."""
         if not self.running or self.running[-1].priority < BATCH_BAND:
@@ -252,20 +251,21 @@ class Scheduler:
         num_short = self.demand.num_waiting_other - (self.max_num_seqs - len(self.running))
         num_yield = min(max(num_short, num_batch - self.batch_cap), num_batch - self.demand.num_kept)
         for _ in range(max(num_yield, 0)):
-            if self.isolate is not None and self.running[-1].request_id != self.isolate:
+            if isolate is not None and self.running[-1].request_id != isolate:
                 break
             self._preempt(self.running.pop(), out)
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, isolate: str | None) -> int:
         """Non-batch sequences first (up to the seats batch does not keep), then batch ones (up to its cap)."""
         num_kept = self.demand.num_kept
         num_preempted = len(out.preempted)
-        budget, blocked = self._admit_pass(out, budget, batch=False, max_seats=self.max_num_seqs - num_kept)
+        budget, blocked = self._admit_pass(out, budget, isolate, batch=False, max_seats=self.max_num_seqs - num_kept)
         if not blocked and len(out.preempted) == num_preempted:  # an evicted batch sequence waits a step
-            budget, _ = self._admit_pass(out, budget, batch=True, max_seats=self.batch_cap)
+            budget, _ = self._admit_pass(out, budget, isolate, batch=True, max_seats=self.batch_cap)
         return budget
 
-    def _admit_pass(self, out: SchedulerOutput, budget: int, batch: bool, max_seats: int) -> tuple[int, bool]:
+    def _admit_pass(self, out: SchedulerOutput, budget: int, isolate: str | None, batch: bool,
+                    max_seats: int) -> tuple[int, bool]:
         """Admit waiting sequences of one side of the batch line in policy order; returns the budget
         left and whether the head of the line is blocked for lack of blocks."""
         num_seats = sum(1 for s in self.running if (s.priority >= BATCH_BAND) == batch)
@@ -274,7 +274,7 @@ class Scheduler:
                 continue
             if budget <= 0 or len(self.running) >= self.max_num_seqs or num_seats >= max_seats:
                 break
-            if self.isolate is not None and seq.request_id != self.isolate:
+            if isolate is not None and seq.request_id != isolate:
                 continue
             leader = seq.wait_for
             if leader is not None and not leader.is_finished and \
