@@ -8,8 +8,10 @@ starts (on a small machine two engines would fight for the cores and both figure
 
     tokenfactory   `python -m tokenfactory.cli serve` (our server, continuous batching, prefix cache)
     hf             `python -m tokenfactory.bench.hf_server` (transformers `generate`, one request at a time)
-    llama-server   llama.cpp's server, when `llama-server` is on PATH (-np = the highest concurrency)
-    vllm           `vllm serve`, when `vllm` is on PATH
+    llama-server   llama.cpp's server, when `llama-server` is on PATH, as its users run it: -t and -tb = the
+                   cores (or --engine-threads), -np = the highest concurrency, -c = -np x the per-slot context
+    vllm           `vllm serve`, when `vllm` is on PATH, with vLLM's documented CPU settings
+                   (VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND over the cores, bfloat16)
 
 All load the same model file (--model-path, default the bundled SmolLM2-135M GGUF) and get the same
 prompts (same seed). `--target NAME=URL` adds a server that is already running. Each engine's memory
@@ -28,7 +30,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,12 @@ class LaunchOptions:
     extra_args: dict[str, list[str]]  # engine -> extra command-line arguments
     data_dir: Path  # our server's ledger of the benchmark's requests (kept apart from the user's)
     threads: int | None = None  # CPU threads for every engine (OMP_NUM_THREADS, llama-server -t); None: theirs
+    slot_context: int | None = None  # llama-server's context per slot (None: max_model_len)
+
+    @property
+    def cores(self) -> int:
+        """The threads a peer gets: --engine-threads, else one per core (as its users set them)."""
+        return self.threads or os.cpu_count() or 1
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -54,12 +62,20 @@ class LaunchOptions:
         return env
 
 
+def _no_env(o: LaunchOptions) -> dict[str, str]:
+    return {}
+
+
 @dataclass(frozen=True)
 class Launcher:
-    """How to start one engine; `command` returns None when the engine is not installed."""
+    """How to start one engine; `command` returns None when the engine is not installed. `env`: variables the
+    engine's own documentation sets (shown with the command). `per_level`: started afresh for each load level,
+    sized for it (llama-server's slots)."""
 
     name: str
     command: Callable[[LaunchOptions, int], list[str] | None]
+    env: Callable[[LaunchOptions], dict[str, str]] = _no_env
+    per_level: bool = False
 
 
 def _tokenfactory(o: LaunchOptions, port: int) -> list[str]:
@@ -78,9 +94,11 @@ def _llama_server(o: LaunchOptions, port: int) -> list[str] | None:
     if exe is None:
         return None
     slots = max(o.max_concurrency, 1)  # llama-server splits -c among -np slots
-    threads = ["-t", str(o.threads)] if o.threads is not None else []
+    # -t / -tb: its default counts physical cores from the CPU topology, which a VM may report oddly (issue 29:
+    # 113 tok/s at one client by default against 135-143 with -t 2 on a 2-vCPU Zen 5): give it the cores.
+    threads = ["-t", str(o.cores), "-tb", str(o.cores)]
     return [exe, "-m", str(o.model_path), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
-            "-c", str(o.max_model_len * slots), *threads, *o.extra_args.get("llama-server", [])]
+            "-c", str((o.slot_context or o.max_model_len) * slots), *threads, *o.extra_args.get("llama-server", [])]
 
 
 def _vllm(o: LaunchOptions, port: int) -> list[str] | None:
@@ -88,15 +106,27 @@ def _vllm(o: LaunchOptions, port: int) -> list[str] | None:
     if exe is None:
         return None
     return [exe, "serve", str(o.model_path), "--host", "127.0.0.1", "--port", str(port),
-            "--max-model-len", str(o.max_model_len), *o.extra_args.get("vllm", [])]
+            "--max-model-len", str(o.max_model_len), "--dtype", "bfloat16", "--max-num-seqs",
+            str(max(o.max_concurrency, 1)), *o.extra_args.get("vllm", [])]
+
+
+def _vllm_env(o: LaunchOptions) -> dict[str, str]:
+    """vLLM's CPU settings (its CPU installation guide): KV cache space in GiB, OpenMP threads bound one a core."""
+    return {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": f"0-{o.cores - 1}"}
 
 
 LAUNCHERS: dict[str, Launcher] = {
     "tokenfactory": Launcher("tokenfactory", _tokenfactory),
     "hf": Launcher("hf", _hf),
-    "llama-server": Launcher("llama-server", _llama_server),
-    "vllm": Launcher("vllm", _vllm),
+    "llama-server": Launcher("llama-server", _llama_server, per_level=True),
+    "vllm": Launcher("vllm", _vllm, _vllm_env),
 }
+
+
+def slot_context(input_len: int, output_len: int, max_model_len: int) -> int:
+    """A llama-server slot's context for a workload: its longest prompt (random lengths reach 2x the mean with
+    --range-ratio 1) and output, in 256-token steps, at most max_model_len."""
+    return min(max_model_len, -(-(2 * input_len + output_len) // 256) * 256)
 
 
 def free_port() -> int:
@@ -229,13 +259,18 @@ def main(args: argparse.Namespace) -> int:
     options = LaunchOptions(model_path, args.max_model_len, max(c for c, _ in levels),
                             parse_engine_args(args.engine_args),
                             Path(args.results_dir).expanduser() / "logs" / f"{args.save or 'compare'}-ledger",
-                            args.engine_threads)
+                            args.engine_threads, slot_context(args.input_len, args.output_len, args.max_model_len))
     tokenizer = load_tokenizer(args.tokenizer or model_path)
     console = make_console()
     runs: list[Any] = []
     skipped: list[str] = []
     for name in engines:
-        runs += run_started_engine(args, name, options, levels, tokenizer, console, skipped)
+        if LAUNCHERS[name].per_level:  # sized for each level, as its users would start it for that load
+            for level in levels:
+                sized = replace(options, max_concurrency=level[0] or options.max_concurrency)
+                runs += run_started_engine(args, name, sized, [level], tokenizer, console, skipped)
+        else:
+            runs += run_started_engine(args, name, options, levels, tokenizer, console, skipped)
     for name, url in targets:
         runs += run_levels_for(args, url, name, tokenizer, levels, None)
     if not runs:
@@ -272,8 +307,9 @@ def run_started_engine(args: argparse.Namespace, name: str, options: LaunchOptio
         skipped.append(f"{name} is not installed (not on PATH)")
         return []
     log = Path(args.results_dir).expanduser() / "logs" / f"{args.save or 'compare'}-{name}.log"
-    console.print(f"[bold]starting {name}[/]: {shlex.join(command)}")
-    server = ServerProcess(name, command, log, options.environment())
+    env = LAUNCHERS[name].env(options)
+    console.print(f"[bold]starting {name}[/]: {shlex.join([f'{k}={v}' for k, v in env.items()] + command)}")
+    server = ServerProcess(name, command, log, options.environment() | env)
     try:
         url = f"http://127.0.0.1:{port}"
         problem = server.wait_ready(url, args.startup_timeout)
@@ -282,7 +318,7 @@ def run_started_engine(args: argparse.Namespace, name: str, options: LaunchOptio
             return []
         runs = run_levels_for(args, url, name, tokenizer, levels, server.pid)
         for run in runs:  # how the engine was started, for whoever reproduces the figures
-            run.config["engine"] = {"name": name, "command": command, "threads": options.threads}
+            run.config["engine"] = {"name": name, "command": command, "env": env, "threads": options.threads}
         return runs
     finally:
         server.stop()
