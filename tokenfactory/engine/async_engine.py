@@ -184,10 +184,9 @@ class AsyncEngine:
             while self._drain_inbox(block=not engine.has_unfinished_requests):
                 if engine.has_unfinished_requests:
                     outputs, failures = self._worker.step()
-                    for failure in failures:
-                        self._deliver(failure.request_id, failure)
+                    self._deliver_step([(f.request_id, f) for f in failures] +
+                                       [(out.request_id, out) for out in outputs])
                     for out in outputs:
-                        self._deliver(out.request_id, out)
                         if out.finished:
                             for listener in self.finish_listeners:
                                 listener(out)
@@ -222,6 +221,26 @@ class AsyncEngine:
             if (failure := self._worker.apply(msg)) is not None:
                 self._deliver(failure.request_id, failure)
 
+    def _deliver_step(self, items: list[tuple[str, RequestOutput | RequestFailed]]) -> None:
+        """A step's outputs, one `call_soon_threadsafe` per event loop rather than one per request: each call
+        wakes the loop (a write to its self-pipe) and takes the GIL from this thread, 32 times a step at 32
+        streams."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[OutputStream, RequestOutput | RequestFailed]]] = {}
+        for request_id, item in items:
+            target = self.streams.get(request_id)
+            if target is None:
+                if isinstance(item, RequestOutput) and not item.finished:
+                    self._engine.abort_request(request_id)  # nobody is listening any more
+                continue
+            by_loop.setdefault(target[0], []).append((target[1], item))
+        for loop, pairs in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, pairs)
+            except RuntimeError:  # the event loop is closed
+                for _, item in pairs:
+                    if isinstance(item, RequestOutput):
+                        self._engine.abort_request(item.request_id)
+
     def _deliver(self, request_id: str, item: RequestOutput | RequestFailed) -> None:
         target = self.streams.get(request_id)
         if target is None:
@@ -233,3 +252,8 @@ class AsyncEngine:
             loop.call_soon_threadsafe(stream.put, item)
         except RuntimeError:  # the event loop is closed
             self._engine.abort_request(request_id)
+
+
+def _put_all(pairs: list[tuple[OutputStream, RequestOutput | RequestFailed]]) -> None:
+    for stream, item in pairs:
+        stream.put(item)

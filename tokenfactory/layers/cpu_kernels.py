@@ -149,6 +149,12 @@ def rms_norm_kernel() -> Callable[[torch.Tensor, torch.Tensor, float], torch.Ten
     return None if module is None else module.rms_norm
 
 
+def fused_kernels() -> Any:
+    """The module with the decoder layer's fused small ops (add_rms_norm, silu_mul, rope_write_kv,
+    rope_decode_attention), or None."""
+    return _load()
+
+
 def int4pack_dequantize_kernel() -> Callable[..., torch.Tensor] | None:
     """`f(packed (N, K/2) uint8, scales_and_zeros (K/g, N, 2) bf16, group, block_n, full_halves) -> W^T (K, N)`
     bf16 from torch's CPU int4 pack (layout in csrc/cpu_kernels.cpp), or None."""

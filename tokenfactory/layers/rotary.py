@@ -4,6 +4,7 @@ the rotate-half rotation of the Hugging Face checkpoints."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -30,6 +31,18 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return scaled.float()
 
 
+@dataclass(frozen=True)
+class RopeBatch:
+    """One step's rotation: per-row cos/sin in the model's dtype (the PyTorch path), and the positions with the
+    float32 tables (the fused CPU kernel rounds the table entries itself, as `Rotary.forward` does)."""
+
+    positions: torch.Tensor  # (T,) long
+    cos: torch.Tensor  # (T, 1, d/2) in the model's dtype
+    sin: torch.Tensor
+    cos_table: torch.Tensor  # (P, d/2) float32
+    sin_table: torch.Tensor
+
+
 class Rotary(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
@@ -39,6 +52,10 @@ class Rotary(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+    def batch(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeBatch:
+        cos, sin = self(positions, dtype)
+        return RopeBatch(positions, cos, sin, self.cos, self.sin)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

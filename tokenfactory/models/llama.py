@@ -1,9 +1,10 @@
 """The Llama family (Llama 2/3, SmolLM/SmolLM2, Qwen2/2.5, Mistral) as one decoder over a flat batch.
 
 The model sees the step's tokens as one flat batch (T, ...) with their positions; attention over the
-paged KV cache is `paged_attention`. Projections are plain `nn.Linear` modules (q/k/v fused into one,
-gate/up fused into one) so that quantization can swap them for modules holding packed weights without
-the model knowing.
+paged KV cache is `paged_attention_qkv` (RoPE, the KV write and attention: on the CPU one kernel call for a
+decode step), and each residual add is fused with the norm after it. Projections are plain `nn.Linear`
+modules (q/k/v fused into one, gate/up fused into one) so that quantization can swap them for modules
+holding packed weights without the model knowing.
 """
 
 from __future__ import annotations
@@ -11,13 +12,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenfactory.config import ModelConfig
-from tokenfactory.layers.attention import AttentionMetadata, paged_attention
-from tokenfactory.layers.norm import rms_norm
-from tokenfactory.layers.rotary import Rotary, apply_rope
+from tokenfactory.layers.activation import silu_mul
+from tokenfactory.layers.attention import AttentionMetadata, paged_attention_qkv
+from tokenfactory.layers.norm import add_rms_norm, rms_norm
+from tokenfactory.layers.rotary import RopeBatch, Rotary
 
 
 class DecoderLayer(nn.Module):
@@ -37,21 +38,20 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, ...],
-                meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
-        hidden = rms_norm(x, self.input_norm, self.eps)
-        qk, v = self.qkv_proj(hidden).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        # One rotation for the query and key heads together: (T, nh + nkv, d)
-        qk = apply_rope(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # (T, nh, d), (T, nkv, d)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, rope: RopeBatch, kv: tuple[torch.Tensor, ...],
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual stream x, the previous layer's output delta not yet added) -> the same pair after this
+        layer: each residual add is fused with the norm after it (layers/norm.py), x updated in place."""
+        if delta is None:
+            hidden = rms_norm(x, self.input_norm, self.eps)
+        else:
+            x, hidden = add_rms_norm(x, delta, self.input_norm, self.eps)
         # kv: (k_cache, v_cache), or with a quantized cache (k_cache, v_cache, k_scale, v_scale)
-        attn = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, scales=(kv[2], kv[3]) if len(kv) == 4 else None,
-                               window=self.window)  # (T, nh, d)
-        x = x + self.o_proj(attn.reshape(t, self.q_size))
-        gate, up = self.gate_up_proj(rms_norm(x, self.post_norm, self.eps)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        attn = paged_attention_qkv(self.qkv_proj(hidden), rope, kv[0], kv[1], meta, self.scale, self.num_heads,
+                                   self.num_kv_heads, scales=(kv[2], kv[3]) if len(kv) == 4 else None,
+                                   window=self.window)  # (T, nh * d)
+        x, hidden = add_rms_norm(x, self.o_proj(attn), self.post_norm, self.eps)
+        return x, self.down_proj(silu_mul(self.gate_up_proj(hidden)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -69,11 +69,12 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, ...]],
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions (T,) -> hidden states (T, h), before the final norm."""
-        x = self.embed_tokens(input_ids)  # (T, h)
-        cos, sin = self.rotary(positions, x.dtype)
+        x = self.embed_tokens(input_ids)  # (T, h), a fresh tensor: the layers add into it in place
+        rope = self.rotary.batch(positions, x.dtype)
+        delta = None
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv, meta)
-        return x
+            x, delta = layer(x, delta, rope, kv, meta)
+        return x if delta is None else x + delta
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (S, h) of the rows that sample -> logits (S, V) in float32."""
