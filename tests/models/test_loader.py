@@ -337,11 +337,16 @@ def test_config_with_unknown_architecture(tmp_path):
         load_model(folder)
 
 
-def test_quantized_hf_checkpoint_is_refused(tmp_path):
+def test_a_quantization_config_the_tensors_do_not_match_is_refused(tmp_path):
+    # GPTQ / AWQ / compressed-tensors folders load (tests/models/test_hf_quant*.py); a config that says GPTQ over
+    # float tensors, or a method we do not read, is refused by name.
     folder = tiny_random_model_dir(tmp_path, "llama")
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(config | {"quantization_config": {"quant_method": "gptq"}}))
-    with pytest.raises(ValueError, match=r"config\.json: quantized checkpoints \(quant_method 'gptq'\)"):
+    with pytest.raises(ValueError, match=r"says quant_method 'gptq', but no layer holds its qweight"):
+        load_model(folder)
+    (folder / "config.json").write_text(json.dumps(config | {"quantization_config": {"quant_method": "hqq"}}))
+    with pytest.raises(ValueError, match=r"config\.json: quant_method 'hqq' is not supported"):
         load_model(folder)
 
 

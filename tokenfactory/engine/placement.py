@@ -37,8 +37,11 @@ from tokenfactory.layers.quant_formats import (
     Int4Weight,
     Int5Weight,
     Int8Weight,
+    QuantizedTensors,
     QuantizedWeight,
     RawGGUFTensors,
+    Reordered,
+    UInt8Weight,
     concat_rows,
 )
 from tokenfactory.layers.weight_bytes import layer_bytes
@@ -129,17 +132,18 @@ def _meta_weight(kind: str, n: int, k: int, group: int) -> QuantizedWeight:
                      torch.empty(n, k // group, **meta))
 
 
-def _format(w: QuantizedWeight) -> str:
-    return "int8" if isinstance(w, Int8Weight) else "int5" if isinstance(w, Int5Weight) else "int4"
+_FORMAT_NAMES = {Int8Weight: "int8", Int5Weight: "int5", UInt8Weight: "uint8", Int4Weight: "int4"}
 
 
 def _quantized_bytes(w: QuantizedWeight, device: torch.device, dense: str, dtype_bytes: int) -> int:
     """layers/weight_bytes.py's accounting, with the kernel this engine really picks (and whether on-the-fly
     reads its buffers: the probed pack layout)."""
-    n, k = w.shape
-    kernel = pick_kernel(w, device)
-    return layer_bytes(_format(w), n, k, w.group_size, kernel.name if kernel else None, dense, dtype_bytes,
-                       reads_packed(kernel, n))
+    reordered = isinstance(w, Reordered)
+    inner = w.weight if isinstance(w, Reordered) else w
+    n, k = inner.shape
+    kernel = pick_kernel(inner, device)
+    return layer_bytes(_FORMAT_NAMES[type(inner)], n, k, inner.group_size, kernel.name if kernel else None, dense,
+                       dtype_bytes, reads_packed(kernel, n), reordered)
 
 
 def _planned_formats(loaded: LoadedModel, scheme: str, paths: dict[str, list[str]],
@@ -151,7 +155,10 @@ def _planned_formats(loaded: LoadedModel, scheme: str, paths: dict[str, list[str
         return {p: _meta_weight(kind, *shapes[p], group or shapes[p][1]) for p in paths}
     if not policy.keeps_source:
         return {}
-    known: dict[str, QuantizedWeight] = dict(loaded.quantized or {})
+    # A checkpoint's weights as layouts (codes on the meta device: nothing read but its group maps).
+    source = loaded.quantized or {}
+    known: dict[str, QuantizedWeight] = {n: source.layout(n) if isinstance(source, QuantizedTensors) else source[n]
+                                         for n in source}
     for name, (type_name, _, shape) in (loaded.raw_gguf or {}).items():
         if type_name in _GGUF_SHAPE_FORMATS and len(shape) == 2 and shape[1] % _GGUF_SHAPE_FORMATS[type_name][2] == 0:
             kind, group, _ = _GGUF_SHAPE_FORMATS[type_name]

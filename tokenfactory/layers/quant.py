@@ -45,6 +45,8 @@ from tokenfactory.layers.quant_formats import (
     Int8Weight,
     QuantizedWeight,
     RawGGUFTensors,
+    Reordered,
+    UInt8Weight,
     check_group_size,
     concat_rows,
     from_gguf_blocks,
@@ -124,7 +126,7 @@ class SourceWeights(Mapping[str, QuantizedWeight]):
 
     def __init__(self, raw_gguf: RawGGUFTensors | None, quantized: Mapping[str, QuantizedWeight] | None) -> None:
         self._raw = raw_gguf or {}
-        self._quantized = dict(quantized or {})
+        self._quantized = quantized or {}  # a lazy mapping stays lazy: each layer reads its own as it lands
         self._mapped = {n for n, (type_name, _, shape) in self._raw.items() if maps_exactly(type_name, shape)}
         self._names = list(dict.fromkeys([*self._quantized, *(n for n in self._raw if n in self._mapped)]))
 
@@ -168,8 +170,11 @@ def plan_quantization(model: nn.Module, scheme: Scheme, sources: Mapping[str, Qu
                 # A fused layer whose parts mix types (q/k Q4_K and v Q6_K in a K-quant "_M" file) has no one
                 # exact format: per-channel int8 of the parts' exact dequantization instead, rounding each weight
                 # by at most max|w[row]| / 254 (tests/models/test_gguf_kquants.py measures it), never to full size.
-                fused = concat_rows(parts) or quantize_int8(torch.cat([p.dequantize() for p in parts]))  # type: ignore[arg-type, union-attr]
-                plan[path] = fused
+                fused = concat_rows(parts)  # type: ignore[arg-type]
+                if fused is None and any(isinstance(p, Reordered) for p in parts):
+                    raise ValueError(f"{path}: its parts {', '.join(names)} gather their inputs in different "
+                                     f"act-orders (g_idx), so they cannot run as one fused layer")
+                plan[path] = fused or quantize_int8(torch.cat([p.dequantize() for p in parts]))  # type: ignore[union-attr]
         elif scheme.quantize is not None:
             # Requantize from the most precise float we have: the file's exact dequantization, else the layer.
             exact = all(p is not None for p in parts)
@@ -368,11 +373,12 @@ class Int8GroupAsInt4PlanesCPU(Int4PlanesCPU):
 
 
 class Int5GroupAsInt4PlanesCPU(Int4PlanesCPU):
-    """Grouped int5 (GGUF Q5_K) on the int4 kernel, exact in codes: q = 16 * hi + lo with hi in {0, 1} and lo
-    in [0, 15], so d * q + m = 16d * hi + (d * lo + m). The kernel rounds the scales 16d and d and the zero
-    points to bfloat16, as for Q4_K (tests/models/test_gguf_kquants.py measures the output's error)."""
+    """Grouped int5 (GGUF Q5_K) or unsigned 8-bit (an asymmetric GPTQ / compressed-tensors checkpoint) on the
+    int4 kernel, exact in codes: q = 16 * hi + lo with hi in [0, 1] (int5) or [0, 15] (uint8) and lo in [0, 15],
+    so d * q + m = 16d * hi + (d * lo + m). The kernel rounds the scales 16d and d and the zero points to bfloat16,
+    as for Q4_K (tests/models/test_gguf_kquants.py measures the output's error)."""
 
-    def __init__(self, w: Int5Weight, device: torch.device) -> None:
+    def __init__(self, w: Int5Weight | UInt8Weight, device: torch.device) -> None:
         super().__init__()
         n, k = w.shape
         codes = torch.empty(n, 2 * k, dtype=torch.uint8)  # (N, 2K): [hi | lo]
@@ -453,6 +459,9 @@ KERNELS: tuple[Kernel, ...] = (
            Int8GroupAsInt4PlanesCPU, {"copy": 4, "on-the-fly": 32}),  # type: ignore[arg-type]
     Kernel("cpu-int5-as-int4-planes", "cpu",  # as the Q8_0 planes: the same two-plane cost
            lambda w: isinstance(w, Int5Weight) and w.group_size in (32, 64, 128, 256),
+           Int5GroupAsInt4PlanesCPU, {"copy": 4, "on-the-fly": 32}),  # type: ignore[arg-type]
+    Kernel("cpu-uint8-as-int4-planes", "cpu",  # the int5 planes' code, hi in [0, 15]: the same cost
+           lambda w: isinstance(w, UInt8Weight) and w.group_size in (32, 64, 128, 256),
            Int5GroupAsInt4PlanesCPU, {"copy": 4, "on-the-fly": 32}),  # type: ignore[arg-type]
     Kernel("cuda-int4pack", "cuda",
            lambda w: (isinstance(w, Int4Weight) and w.group_size in (32, 64, 128, 256) and w.shape[1] % 32 == 0
@@ -543,7 +552,7 @@ DENSE_PATHS: dict[str, type[DenseCopy] | type[DequantizeOnTheFly]] = {
 def reads_packed(kernel: Kernel | None, num_out: int) -> bool:
     """Whether on-the-fly dequantizes from this kernel's own buffers (no second copy of the codes)."""
     return kernel is not None and kernel.name in ("cpu-int4pack", "cpu-int8-as-int4-planes",
-                                                  "cpu-int5-as-int4-planes") and \
+                                                  "cpu-int5-as-int4-planes", "cpu-uint8-as-int4-planes") and \
         int4pack_layout(num_out + -num_out % 16) is not None
 
 
@@ -559,16 +568,19 @@ def dense_path_for(w: QuantizedWeight, kernel: Kernel | None, dense: str, old: t
 
 
 class QuantizedLinear(nn.Module):
-    """y = x @ W^T (+ b) for a quantized W: packed kernel for small steps, dense matmul for large ones."""
+    """y = x @ W^T (+ b) for a quantized W: packed kernel for small steps, dense matmul for large ones. An
+    act-order weight (`Reordered`) gathers its input first, x[:, input_order], for both paths."""
 
     def __init__(self, fmt: str, kernel: Kernel | None, packed: nn.Module | None, dense: nn.Module,
-                 bias: torch.Tensor | None, max_packed_rows: int, shape: tuple[int, int]) -> None:
+                 bias: torch.Tensor | None, max_packed_rows: int, shape: tuple[int, int],
+                 input_order: torch.Tensor | None = None) -> None:
         super().__init__()
         self.format_name, self.kernel_name = fmt, kernel.name if kernel else "none"
         self.packed, self.dense = packed, dense
         self.max_packed_rows = max_packed_rows if packed is not None else 0
         self.out_features, self.in_features = shape
         self.register_buffer("bias", bias)
+        self.register_buffer("input_order", input_order)  # (K,) int64, or None
         self._bind()
 
     def _bind(self) -> None:
@@ -576,7 +588,7 @@ class QuantizedLinear(nn.Module):
         # microsecond and a decode step makes ~120 of these calls. Rebound whenever tensors move (_apply).
         self._packed_fn = self.packed.bind() if self.packed is not None else None  # type: ignore[operator]
         self._dense_fn = self.dense.bind(self.packed)  # type: ignore[operator]
-        self._bias = self.bias
+        self._bias, self._order = self.bias, self.input_order
 
     def _apply(self, fn: Callable[..., torch.Tensor], recurse: bool = True) -> QuantizedLinear:
         super()._apply(fn, recurse)
@@ -588,18 +600,23 @@ class QuantizedLinear(nn.Module):
               device: torch.device, dense: str = "copy") -> QuantizedLinear:
         if tuple(old_weight.shape) != w.shape:
             raise ValueError(f"quantized weight has shape {w.shape}, but the layer is {tuple(old_weight.shape)}")
+        fmt, order = w.format_name, None
+        if isinstance(w, Reordered):  # the kernels see the grouped weight; the layer gathers its input
+            order, w = w.order.to(device), w.weight
         if isinstance(w, Int4Weight):
             check_group_size(w.group_size, w.shape[1], "this layer")
         kernel = pick_kernel(w, device)
         packed = kernel.build(w, device) if kernel else None
         dense_path = dense_path_for(w, kernel, dense, old_weight, dtype, device)
         max_rows = kernel.max_rows[dense] if kernel else 0
-        return cls(w.format_name, kernel, packed, dense_path, None if bias is None else bias.detach(), max_rows,
-                   w.shape)
+        return cls(fmt, kernel, packed, dense_path, None if bias is None else bias.detach(), max_rows, w.shape,
+                   order)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:  # the model's flat batch is (T, K) already
             return self.forward(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+        if self._order is not None:
+            x = x.index_select(1, self._order)
         if x.shape[0] > self.max_packed_rows:
             return F.linear(x, self._dense_fn(), self._bias)
         y = self._packed_fn(x.contiguous() if x.dtype == torch.bfloat16 else _bf16(x))  # type: ignore[misc]

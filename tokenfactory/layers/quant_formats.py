@@ -6,6 +6,9 @@ Two canonical formats, device-independent, whatever kernel later runs them (quan
 
     Int8Weight   w[n, k] = q[n, k] * scale[n, k // group]            q int8 in [-128, 127]
     Int4Weight   w[n, k] = q[n, k] * scale[n, k // group] + min[n, k // group]     q uint8 in [0, 15]
+    (Int5Weight and UInt8Weight are Int4Weight's form with codes in [0, 31] and [0, 255])
+    Reordered    one of those whose columns are the layer's inputs in another order (GPTQ's act-order):
+                 y = x[:, order] @ weight^T
 
 `group == K` is per-output-channel (our "int8" scheme); GGUF blocks are groups of 32 along a row.
 Scales and mins are float32, which holds every float16 GGUF scale exactly, so a mapped block dequantizes
@@ -20,7 +23,8 @@ the 4-bit step), while the dense path (dequantize-then-matmul) uses them exactly
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from abc import abstractmethod
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -105,13 +109,74 @@ class Int5Weight(_AffineGroups):
     bits_name = "int5"
 
 
-QuantizedWeight = Int8Weight | Int4Weight | Int5Weight
+@dataclass(frozen=True)
+class UInt8Weight(_AffineGroups):
+    """q in [0, 255]: asymmetric 8-bit (a GPTQ / compressed-tensors checkpoint's w = s * (q - z) is min = -s * z).
+    No kernel takes unsigned 8-bit codes with a zero point; quant.py runs it as two int4 planes, q = 16 * hi + lo."""
+
+    bits_name = "uint8"
+
+
+GroupedWeight = Int8Weight | Int4Weight | Int5Weight | UInt8Weight
+
+
+@dataclass(frozen=True)
+class Reordered:
+    """A weight whose column j is the layer's input order[j]: y = x @ W^T = x[:, order] @ weight^T, exactly.
+
+    Why: GPTQ's act-order (desc_act, compressed-tensors' actorder "group") quantizes columns in order of
+    decreasing activation and maps each column to its group through g_idx, so a group's columns are scattered
+    along the row. Sorted by group they are contiguous again, which every kernel here needs; the layer then
+    gathers its input in the same order (a permutation: no arithmetic, nothing rounded)."""
+
+    weight: GroupedWeight
+    order: torch.Tensor  # (K,) int64, a permutation of range(K)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.weight.shape
+
+    @property
+    def group_size(self) -> int:
+        return self.weight.group_size
+
+    @property
+    def format_name(self) -> str:
+        return f"{self.weight.format_name}+act-order"
+
+    def dequantize(self) -> torch.Tensor:
+        """(N, K) float32 in the layer's own input order."""
+        w = self.weight.dequantize()
+        out = torch.empty_like(w)
+        out[:, self.order] = w  # column order[j] of the layer is column j of the weight
+        return out
+
+
+QuantizedWeight = GroupedWeight | Reordered
+
+
+class QuantizedTensors(Mapping[str, QuantizedWeight]):
+    """HF name -> a checkpoint's own quantized weight, read from its files when asked for and not kept (a model
+    that only fits quantized is never held whole while placing). Implementations keep true: `layout(name)` is
+    the weight `self[name]` would be, same type, shape and group size (and act-order), with its codes and scales
+    on the meta device, computed without reading them: the start-up check counts bytes from it."""
+
+    @abstractmethod
+    def layout(self, name: str) -> QuantizedWeight: ...
 
 
 def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
     """Stack weights along output rows (q/k/v -> qkv, gate/up -> gate_up); None if their formats differ
-    (a fused layer needs one format: GGUF K-quant files mix types within a layer)."""
+    (a fused layer needs one format: GGUF K-quant files mix types within a layer) or they gather their
+    inputs in different orders."""
     first = parts[0]
+    if isinstance(first, Reordered):
+        if not all(isinstance(p, Reordered) and torch.equal(p.order, first.order) for p in parts):
+            return None
+        inner = concat_rows([p.weight for p in parts])  # type: ignore[union-attr]
+        return None if inner is None else Reordered(inner, first.order)  # type: ignore[arg-type]
+    if any(isinstance(p, Reordered) for p in parts):
+        return None
     if any(type(p) is not type(first) or p.group_size != first.group_size or p.shape[1] != first.shape[1]
            for p in parts):
         return None

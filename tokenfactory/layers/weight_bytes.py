@@ -6,6 +6,7 @@ tests/models/test_streaming_quant.py) and the planner's engine figures (`tokenfa
     copy     + the dequantized weight in the model's dtype, for large steps
     on-the-fly, from the packed buffer (CPU int4 kernels)   + nothing
     on-the-fly, codes apart (CUDA, int8 per channel, no kernel)   + the codes and scales in the model's dtype
+    act-order (a checkpoint's g_idx)                              + the input order, int64 per input
 
 `kernel_for` restates KERNELS' shape rules (tests/models/test_streaming_quant.py checks it against `pick_kernel`);
 the engine itself asks `pick_kernel`, which also knows whether this torch has the CUDA kernel.
@@ -16,18 +17,19 @@ from __future__ import annotations
 INT4_KERNEL_GROUPS = (32, 64, 128, 256)
 # On-the-fly dequantizes these kernels' own buffers when their layout is recognised (layers/quant.py
 # int4pack_layout; every layout of torch 2.13's CPU pack is).
-READS_PACKED = ("cpu-int4pack", "cpu-int8-as-int4-planes", "cpu-int5-as-int4-planes")
+READS_PACKED = ("cpu-int4pack", "cpu-int8-as-int4-planes", "cpu-int5-as-int4-planes", "cpu-uint8-as-int4-planes")
+INPUT_ORDER_BYTES = 8  # QuantizedLinear.input_order: int64 per input
 
 
 def kernel_for(fmt: str, n: int, k: int, group: int, device_type: str) -> str | None:
-    """The packed kernel KERNELS picks for an `fmt` ("int8", "int4", "int5") weight of (n, k) in groups of
+    """The packed kernel KERNELS picks for an `fmt` ("int8", "int4", "int5", "uint8") weight of (n, k) in groups of
     `group` (k: per channel), or None (dense only)."""
     if device_type == "cpu":
         if fmt == "int8" and group == k and k % 16 == 0:
             return "cpu-int8pack"
         if group in INT4_KERNEL_GROUPS:
             return {"int4": "cpu-int4pack", "int8": "cpu-int8-as-int4-planes",
-                    "int5": "cpu-int5-as-int4-planes"}[fmt]
+                    "int5": "cpu-int5-as-int4-planes", "uint8": "cpu-uint8-as-int4-planes"}[fmt]
         return None
     if device_type == "cuda" and fmt == "int4" and group in INT4_KERNEL_GROUPS and k % 32 == 0 and n % 8 == 0:
         return "cuda-int4pack"
@@ -42,14 +44,15 @@ def packed_bytes(kernel: str, n: int, k: int, group: int) -> int:
             "cpu-int4pack": padded * k // 2 + groups * padded * 4,  # two codes a byte, bf16 scale and zero
             "cpu-int8-as-int4-planes": padded * k + 2 * groups * padded * 4,  # two int4 planes along 2K
             "cpu-int5-as-int4-planes": padded * k + 2 * groups * padded * 4,
+            "cpu-uint8-as-int4-planes": padded * k + 2 * groups * padded * 4,
             "cuda-int4pack": n * k // 2 + groups * n * 4}[kernel]
 
 
 def layer_bytes(fmt: str, n: int, k: int, group: int, kernel: str | None, dense: str, dtype_bytes: int,
-                reads_packed: bool | None = None) -> int:
+                reads_packed: bool | None = None, reordered: bool = False) -> int:
     """What a QuantizedLinear of this format and shape keeps. `reads_packed`: whether on-the-fly reads the
-    kernel's buffers (None: as READS_PACKED says)."""
-    packed = packed_bytes(kernel, n, k, group) if kernel else 0
+    kernel's buffers (None: as READS_PACKED says); `reordered`: an act-order weight (its input order)."""
+    packed = (packed_bytes(kernel, n, k, group) if kernel else 0) + (k * INPUT_ORDER_BYTES if reordered else 0)
     if dense == "copy":
         return packed + n * k * dtype_bytes
     if reads_packed if reads_packed is not None else kernel in READS_PACKED:

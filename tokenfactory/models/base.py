@@ -24,13 +24,14 @@ class LoadedModel:
     weights: Mapping[str, torch.Tensor]  # a dict, or read lazily from the files (an HF folder's, a GGUF's)
     tokenizer: Tokenizer
     path: Path
-    format: str  # "gguf" | "hf" | "quantized"
+    format: str  # "gguf" | "hf" | "quantized" | a quantized HF folder's method: "gptq" | "awq" | "compressed-tensors"
     # Quantized GGUF tensors as stored (rows already in Hugging Face order, like `weights`), for a later
     # bit-exact int4/int8 mapping; float tensors (F32/F16/BF16) are not listed. None for HF folders.
     raw_gguf: RawGGUFTensors | None = None
-    # A file written by `tokenfactory quantize`: HF name -> int8/int4 weight exactly as stored (`weights` holds
-    # their dequantization too). For apply_quantization's "auto" scheme. None for every other format.
-    quantized: dict[str, QuantizedWeight] | None = None
+    # A file's own quantized weights, exactly as stored (`weights` holds their dequantization too), for
+    # apply_quantization's "auto" scheme: a `tokenfactory quantize` file's int8/int4 (a dict), or a GPTQ / AWQ /
+    # compressed-tensors folder's (models/hf_quant.py, read lazily). None for every other format.
+    quantized: Mapping[str, QuantizedWeight] | None = None
 
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -82,3 +83,13 @@ def check_weight_shapes(name_to_shape: Mapping[str, tuple[int, ...]], config: Mo
         if tuple(name_to_shape[name]) != shape:
             raise ValueError(f"{source}: tensor {shown.get(name, name)!r} has shape "
                              f"{tuple(name_to_shape[name])}, but {what} with this config needs {shape}")
+
+
+def linear_tensor_names(config: ModelConfig) -> list[str]:
+    """The Hugging Face tensors that are linear layers (what a scheme quantizes)."""
+    names = []
+    for i in range(config.num_layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        names += [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight", a + "o_proj.weight",
+                  m + "gate_proj.weight", m + "up_proj.weight", m + "down_proj.weight"]
+    return names + ["lm_head.weight"]

@@ -7,6 +7,8 @@
       tokenizer_config.json            special tokens, add_bos_token, chat_template (optional)
       chat_template.jinja              the chat template, as newer transformers saves it (optional)
       generation_config.json           extra EOS ids (optional)
+      quantization_config              in config.json (or quantize_config.json): a GPTQ, AWQ or compressed-tensors
+                                       checkpoint, its codes kept (models/hf_quant.py)
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from safetensors import safe_open
 
 from tokenfactory.config import ModelConfig
 from tokenfactory.models.base import LoadedModel, check_weight_shapes
+from tokenfactory.models.hf_quant import CheckpointWeights, DequantizedWeights, check_fusable, checkpoint_format
 from tokenfactory.models.tokenizer import Tokenizer, template_processing
 
 ARCHITECTURE_CLASS_TO_NAME = {
@@ -36,7 +39,7 @@ _IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 
 def load_hf_folder(folder: Path) -> LoadedModel:
     """Config, tokenizer and float32 weights of a Hugging Face folder (read lazily, tensor by tensor); shapes
-    are checked up front."""
+    are checked up front. A quantized checkpoint's layers come as their exact formats in `quantized` too."""
     config_json = read_json(folder / "config.json")
     tokenizer = hf_tokenizer(folder, config_json)
     config = hf_model_config(folder, config_json, tokenizer)
@@ -46,11 +49,34 @@ def load_hf_folder(folder: Path) -> LoadedModel:
         with safe_open(file, framework="pt") as f:
             name_to_shape |= {name: tuple(f.get_slice(name).get_shape()) for name in names}
     name_to_shape = {n: s for n, s in name_to_shape.items() if not n.endswith(_IGNORED_TENSOR_SUFFIXES)}
+    quantization = _quantization_config(folder, config_json)
+    quantized = None
+    if quantization is not None:
+        fmt = checkpoint_format(quantization, str(folder / "config.json"))
+        quantized = CheckpointWeights(fmt, name_to_file, name_to_shape, folder)
+        if not quantized:
+            raise ValueError(f"{folder / 'config.json'} says quant_method {fmt.method!r}, but no layer holds its "
+                             f"{fmt.marker} tensor")
+        stored = quantized.stored_names()
+        name_to_shape = {n: s for n, s in name_to_shape.items() if n not in stored} | quantized.logical_shapes()
     if config.tie_word_embeddings:
         name_to_shape.pop("lm_head.weight", None)  # some tied checkpoints store the copy anyway
     check_weight_shapes(name_to_shape, config, folder)
-    weights = SafetensorsWeights({n: name_to_file[n] for n in name_to_shape})
-    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, path=folder, format="hf")
+    plain = SafetensorsWeights({n: name_to_file[n] for n in name_to_shape if quantized is None or n not in quantized})
+    if quantized is None:
+        return LoadedModel(config=config, weights=plain, tokenizer=tokenizer, path=folder, format="hf")
+    check_fusable(quantized, config)
+    return LoadedModel(config=config, weights=DequantizedWeights(plain, quantized), tokenizer=tokenizer, path=folder,
+                       format=quantized.format.method, quantized=quantized)
+
+
+def _quantization_config(folder: Path, config_json: Mapping[str, object]) -> Mapping[str, object] | None:
+    """config.json's quantization_config, or an older GPTQ folder's quantize_config.json."""
+    if config_json.get("quantization_config"):
+        return config_json["quantization_config"]  # type: ignore[return-value]
+    if (folder / "quantize_config.json").is_file():
+        return {"quant_method": "gptq"} | read_json(folder / "quantize_config.json")
+    return None
 
 
 class SafetensorsWeights(Mapping[str, torch.Tensor]):
@@ -82,10 +108,6 @@ def hf_model_config(folder: Path, config_json: Mapping[str, object], tokenizer: 
     """ModelConfig from config.json, refusing what the engine would silently get wrong."""
     source = folder / "config.json"
     arch = _architecture(source, config_json)
-    if config_json.get("quantization_config"):
-        method = config_json["quantization_config"].get("quant_method", "?")
-        raise ValueError(f"{source}: quantized checkpoints (quant_method {method!r}) are not supported; "
-                         f"use a float16/bfloat16/float32 checkpoint or a GGUF file")
     if config_json.get("hidden_act", "silu") != "silu" or config_json.get("mlp_bias", False):
         raise ValueError(f"{source}: only SiLU MLPs without bias are supported (hidden_act "
                          f"{config_json.get('hidden_act')!r}, mlp_bias {config_json.get('mlp_bias')!r})")

@@ -39,7 +39,7 @@ from tokenfactory.layers.quant_formats import (
     pack_nibbles,
     unpack_nibbles,
 )
-from tokenfactory.models.base import LoadedModel, check_weight_shapes
+from tokenfactory.models.base import LoadedModel, check_weight_shapes, linear_tensor_names
 from tokenfactory.models.tokenizer import Tokenizer
 from tokenfactory.progress import track
 
@@ -55,16 +55,6 @@ class QuantizedFileSummary:
     scheme: str
     num_bytes: int
     name_to_format: dict[str, str]
-
-
-def linear_tensor_names(config: ModelConfig) -> list[str]:
-    """The Hugging Face tensors that are linear layers (what a scheme quantizes)."""
-    names = []
-    for i in range(config.num_layers):
-        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        names += [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight", a + "o_proj.weight",
-                  m + "gate_proj.weight", m + "up_proj.weight", m + "down_proj.weight"]
-    return names + ["lm_head.weight"]
 
 
 def plan_file(loaded: LoadedModel, scheme_name: str) -> tuple[dict[str, QuantizedWeight], dict[str, torch.Tensor]]:
