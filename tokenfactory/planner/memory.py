@@ -40,6 +40,8 @@ def resolve_weights(model: ModelSpec, precision: str | None = None) -> Weights:
     name = precision or model.default_precision
     if name == "gguf":
         return _gguf_weights(model)
+    if name == "checkpoint":
+        return _checkpoint_weights(model)
     p = parse_precision(name)
     linear = (model.body_params + model.lm_head_params) * p.bytes_per_param
     embedding = model.embedding_params * p.embedding_bytes_per_param
@@ -79,6 +81,25 @@ def _gguf_weights(model: ModelSpec) -> Weights:
     label = f"{model.gguf_file_type or 'gguf'} ({avg * 8:.2f} bits/weight)"
     read = model.gguf_weights_bytes - (0 if tied else embd)
     return Weights(p, float(model.gguf_weights_bytes), float(read), label)
+
+
+def _checkpoint_weights(model: ModelSpec) -> Weights:
+    """A GPTQ / AWQ / compressed-tensors checkpoint as its files hold it: codes, scales, zero points, g_idx per
+    linear layer (ModelSpec.checkpoint), the embedding (and an unquantized LM head) in 16 bits."""
+    quant = model.checkpoint
+    if quant is None:
+        raise ValueError("--precision checkpoint needs a GPTQ, AWQ or compressed-tensors checkpoint's config.json")
+    cfg = model.config
+    h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    layers = sum(quant.layer_bytes(n, k) for n, k in [(q, h), (kv, h), (kv, h), (h, q), (inter, h), (inter, h),
+                                                       (h, inter)]) * cfg.num_layers
+    norms = (2 * cfg.num_layers + 1) * h * 2
+    embedding = model.embedding_params * 2
+    head = 0 if cfg.tie_word_embeddings else model.embedding_params * 2  # the recipes leave the LM head float
+    linear_params = max(model.body_params + model.lm_head_params, 1)
+    p = precision_for_bytes((layers + head) / linear_params)
+    read = layers + norms + head + (embedding if cfg.tie_word_embeddings else 0)
+    return Weights(p, float(layers + norms + embedding + head), float(read), quant.label)
 
 
 def kv_bytes_per_token(model: ModelSpec, kv_dtype_bytes: int) -> int:

@@ -20,6 +20,47 @@ HF_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 @dataclass(frozen=True)
+class CheckpointQuant:
+    """A GPTQ / AWQ / compressed-tensors checkpoint's weights as config.json describes them (models/hf_quant.py
+    reads the tensors; the planner only counts their bytes)."""
+
+    method: str
+    bits: int
+    group_size: int  # 0: one scale per output channel
+    symmetric: bool
+    act_order: bool  # a g_idx per layer (int32 per input)
+    scale_bytes: int  # float16 (GPTQ, AWQ) or the model's dtype (compressed-tensors)
+
+    @property
+    def label(self) -> str:
+        group = f"g{self.group_size}" if self.group_size else "per channel"
+        return f"{self.method} {self.bits}-bit {group}{' act-order' if self.act_order else ''}"
+
+    def layer_bytes(self, n: int, k: int) -> int:
+        """What the file holds for an (n, k) layer: packed codes, a scale per group, a packed zero point per group
+        (asymmetric), and g_idx (act-order)."""
+        groups = -(-k // self.group_size) if self.group_size else 1
+        zeros = 0 if self.symmetric and self.method == "compressed-tensors" else n * groups * self.bits // 8
+        return n * k * self.bits // 8 + n * groups * self.scale_bytes + zeros + (4 * k if self.act_order else 0)
+
+
+def checkpoint_quant(cfg: dict[str, Any]) -> CheckpointQuant | None:
+    q = cfg.get("quantization_config")
+    if not isinstance(q, dict):
+        return None
+    method = str(q.get("quant_method", "gptq"))
+    if method == "compressed-tensors":
+        weights = next(iter((q.get("config_groups") or {}).values()), {}).get("weights") or {}
+        group = int(weights.get("group_size") or 0) if weights.get("strategy") == "group" else 0
+        dtype_bytes = 4 if cfg.get("torch_dtype", cfg.get("dtype")) == "float32" else 2
+        return CheckpointQuant(method, int(weights.get("num_bits", 8)), group, bool(weights.get("symmetric", True)),
+                               False, dtype_bytes)
+    group = int(q.get("group_size", q.get("q_group_size", 128)))
+    return CheckpointQuant(method, int(q.get("bits") or q.get("w_bit") or 4), max(group, 0),
+                           bool(q.get("sym", method == "gptq")), bool(q.get("desc_act")), 2)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """A model as the planner sees it."""
 
@@ -31,6 +72,7 @@ class ModelSpec:
     gguf_embedding_bytes: int | None = None  # token_embd.weight as stored
     gguf_file_type: str | None = None  # e.g. "MOSTLY_Q4_1"
     published_params_b: float | None = None
+    checkpoint: CheckpointQuant | None = None  # a quantized HF checkpoint: "checkpoint" precision counts its bytes
 
     @property
     def name(self) -> str:
@@ -114,7 +156,9 @@ def _from_hf_config(path: Path) -> ModelSpec:
         name=str(cfg.get("_name_or_path") or path.parent.name),
     )
     dtype = HF_DTYPES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"), "bf16")
-    return ModelSpec(config, "config.json", str(path), default_precision=dtype)
+    quant = checkpoint_quant(cfg)
+    return ModelSpec(config, "config.json", str(path), default_precision="checkpoint" if quant else dtype,
+                     checkpoint=quant)
 
 
 @cache
