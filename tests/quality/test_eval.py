@@ -145,3 +145,39 @@ def test_eval_cli_errors(tiny_path, tmp_path, capsys) -> None:
     assert "no saved baseline 'nope'" in capsys.readouterr().err
     assert main(["eval", "--model", str(tiny_path), "--max-tokens", "0"]) == 2
     assert "--max-tokens must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_eval_of_a_calibrated_folder_compares_with_its_source_and_rounding(tmp_path, capsys) -> None:
+    # What `quantize --method` leaves (a compressed-tensors folder, calibration.json, heldout.jsonl) sets eval's
+    # defaults: the source unquantized is the baseline, its int4-g32 rounding the second reference, the held-out
+    # prompts the text. The folder here is packed by compressed-tensors itself from the same float weights.
+    pytest.importorskip("compressed_tensors")
+    from tests.models.test_hf_quant import compressed_tensors_dir
+    from tests.reference import tiny_random_model_dir
+    from tokenfactory.quality.calibrate import CalibrationRecord, CalibrationSpec
+
+    (tmp_path / "quant").mkdir()
+    folder = compressed_tensors_dir(tmp_path / "quant", name="ct", symmetric=False)
+    # The same seeded random weights, unquantized: the folder's source.
+    float_dir = tiny_random_model_dir(tmp_path, "llama", hidden_size=128, intermediate_size=256, num_heads=4,
+                                      num_kv_heads=2, name="orig")
+    spec = CalibrationSpec("gptq", group_size=32)
+    record = CalibrationRecord(str(float_dir), dataclasses_asdict(spec), "cal.jsonl", "0" * 64, 10, list(range(8)),
+                               [8, 9], "llmcompressor test")
+    (folder / "calibration.json").write_text(json.dumps(dataclasses_asdict(record)))
+    (folder / "heldout.jsonl").write_text("".join(json.dumps({"text": "the cat sat on the mat " * 30}) + "\n"
+                                                  for _ in range(2)))
+    code = main(["eval", "--model", str(folder), "--max-tokens", "4", "--window", "64", "--json",
+                 "--max-ppl-increase", "100", "--min-agreement", "0"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["comparison"]["verdict"] == "PASS"
+    assert out["result"]["text_source"] == str(folder / "heldout.jsonl")
+    assert out["round_to_nearest"]["quantization"] == "int4-g32" and out["round_to_nearest"]["model"] == str(float_dir)
+    assert out["comparison"]["baseline"].startswith(f"none ({float_dir}")
+
+
+def dataclasses_asdict(obj: object) -> dict:
+    from dataclasses import asdict
+
+    return asdict(obj)
