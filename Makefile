@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install serve test test-quick lint bench
+.PHONY: install serve test test-quick lint bench quant-fixtures
 
 install: $(VENV)/.installed
 
@@ -29,3 +29,8 @@ lint: install
 
 bench: install
 	$(VENV)/bin/tokenfactory bench offline --out results/bench-offline.json
+
+# GPTQ / AWQ / compressed-tensors checkpoints written by GPTQModel and llm-compressor, each in its own virtualenv
+# (tests/models/test_hf_quant_tools.py skips without them; CI makes them first). ALL=1: the bundled model's too.
+quant-fixtures: install
+	PY=$(PY) bash scripts/quant_fixtures.sh .quant-fixtures $(if $(ALL),--all,)
