@@ -59,7 +59,7 @@ def test_act_order_is_an_exact_input_permutation(bits, symmetric):
     # The layer gathers its input and runs the grouped weight: the same product as the dense weight's.
     layer = QuantizedLinear.build(w, torch.empty(64, 256), None, dtype=torch.float32, device=torch.device("cpu"))
     x = torch.randn(40, 256)  # 40 rows: the dense path, exact weights in float32
-    assert torch.allclose(layer(x), x @ c.dequantize().t(), rtol=1e-5, atol=1e-5)
+    assert torch.allclose(layer(x), x @ c.dequantize().t(), rtol=1e-4, atol=1e-4)  # float32 summation order
     decode = layer(x[:2].bfloat16()).float()  # the packed kernel (bf16 activations and scales)
     reference = x[:2].bfloat16().float() @ c.dequantize().t()
     assert (decode - reference).abs().max() <= 0.02 * reference.abs().max()
