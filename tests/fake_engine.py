@@ -3,8 +3,9 @@
 `FakeEngineClient` behaves like `AsyncEngine` over an `LLMEngine` as far as anything behind the client
 door can tell: its own thread steps the requests, takes typed messages from an inbox, hands each
 `RequestOutput` to the request's stream with `call_soon_threadsafe` (one pending output, merged for a
-slow reader), publishes immutable `EngineStats` snapshots, and calls step listeners (the meter's
-`on_step`) with a `StepStats` per step. Its outputs follow `LLMEngine._make_output`: every one of the
+slow reader), publishes immutable `EngineStats` snapshots, and calls step listeners
+(`subscribe_steps`: the meter's `on_step`) with a `StepStats` per step, before the step's outputs (on its
+one thread: a fake). Its outputs follow `LLMEngine._make_output`: every one of the
 request's `n` completions in each output, text and token deltas since the previous output, a partial
 stop-string match held back, finish reasons from the same rules as the scheduler (stop token or EOS
 after `min_tokens`, then `max_tokens`, then the context window; a stop string ends a sequence as
@@ -40,7 +41,11 @@ from tokenfactory.engine.client import (
     AbortRequest,
     AddRequest,
     ChargeEnergy,
+    ClientBase,
+    Control,
+    DrainReplica,
     EngineDeadError,
+    EngineFacts,
     EngineStats,
     ModelInfo,
     SetTenantWeight,
@@ -197,23 +202,25 @@ class _Wake:
     pass
 
 
-class FakeEngineClient:
+class FakeEngineClient(ClientBase):
     """An `EngineClient` (tokenfactory/engine/client.py) without a model; see the module's docstring."""
 
     def __init__(self, *, max_model_len: int = 256, vocab_size: int = VOCAB_SIZE, max_num_seqs: int = 8,
                  max_num_batched_tokens: int = 1024, num_kv_blocks: int = 64, block_size: int = 16,
                  step_s: float = 0.002, step_listeners: Sequence[Callable[[StepStats], None]] = ()) -> None:
-        self._tokenizer = FakeTokenizer(vocab_size)
-        self._info = ModelInfo("fake://fake-tiny", max_model_len, vocab_size,
-                               dataclasses.replace(FAKE_MODEL_CONFIG, vocab_size=vocab_size), device="cpu",
-                               dtype="float32", eos_token_ids=(EOS,))
+        info = ModelInfo("fake://fake-tiny", max_model_len, vocab_size,
+                         dataclasses.replace(FAKE_MODEL_CONFIG, vocab_size=vocab_size), device="cpu",
+                         dtype="float32", eos_token_ids=(EOS,))
+        super().__init__(info, FakeTokenizer(vocab_size), EngineFacts(
+            info.path, "cpu", "float32", weight_bytes=0, kv_bytes=num_kv_blocks * block_size * 64,
+            kv_blocks=num_kv_blocks, kv_tokens=num_kv_blocks * block_size, max_model_len=max_model_len))
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.num_kv_blocks, self.block_size, self.step_s = num_kv_blocks, block_size, step_s
-        self.step_listeners: list[Callable[[StepStats], None]] = list(step_listeners)
+        for listener in step_listeners:
+            self.subscribe_steps(listener)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.streams: dict[str, tuple[asyncio.AbstractEventLoop, OutputStream]] = {}
         self._thread = threading.Thread(target=self._loop, name="fake-engine", daemon=True)
-        self._dead_reason: str | None = None
         self._unpaused = threading.Event()
         self._unpaused.set()
         self._fail_markers: set[str] = set()
@@ -239,20 +246,12 @@ class FakeEngineClient:
     # -- EngineClient --------------------------------------------------------------------------------------
 
     @property
-    def info(self) -> ModelInfo:
-        return self._info
-
-    @property
     def tokenizer(self) -> FakeTokenizer:
         return self._tokenizer
 
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self._dead_reason is None
-
-    @property
-    def dead_reason(self) -> str | None:
-        return self._dead_reason
 
     def start(self) -> None:
         self._thread.start()
@@ -262,8 +261,9 @@ class FakeEngineClient:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
-    def send(self, message: SetTenantWeight | ChargeEnergy | AbortRequest) -> None:
-        self.inbox.put(message)
+    def send(self, message: Control) -> None:
+        if not isinstance(message, DrainReplica):
+            self.inbox.put(message)
 
     def stats(self) -> EngineStats:
         s = self._stats
@@ -533,8 +533,7 @@ class FakeEngineClient:
         self.num_steps += 1
         self.last_step = stats
         if work:
-            for listener in self.step_listeners:
-                listener(stats)
+            self.publish_step(stats)
 
     def _snapshot(self) -> EngineStats:
         last = self.last_step

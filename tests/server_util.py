@@ -150,7 +150,7 @@ def start_gateway(engine: Any, data_dir: Path, *, auth: bool = False, max_waitin
     from tokenfactory.tenants.store import TenantStore
 
     meter = Meter(ConstantSource(watts), engine.info.config, load_prices(None)).start()
-    engine.step_listeners.append(meter.on_step)
+    engine.subscribe_steps(meter.on_step)
     ledger = Ledger.open(data_dir)
     accounting = Accounting(meter, ledger, model_name)
     store = TenantStore(ledger.engine) if auth else None

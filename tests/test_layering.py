@@ -199,3 +199,63 @@ def test_the_http_check_sees_lazy_http_imports() -> None:
     source = "import json\n\ndef f():\n    from starlette.requests import Request\n    import fastapi.responses\n"
     assert http_imports(source) == [(4, "starlette.requests"), (5, "fastapi.responses")]
     assert http_imports("from .x import y\nimport httpx\n") == []
+
+
+# Where a name holds an engine client by convention: `client`, `<x>.client` (a fleet's Replica, Started), and in
+# the gateway and the request service `engine`, `served.engine`, `self.engine` (Handler, ServerMetrics, the feed).
+CLIENT_USERS = ("fleet", "service", "gateway", "batch", "serve")
+ENGINE_IS_CLIENT = ("service", "gateway", "serve")  # batch/store.py's self.engine is SQLAlchemy's
+NOT_CLIENTS = ("request", "ledger", "store")  # Starlette's request.client; SQLAlchemy's ledger.engine
+
+
+def protocol_members() -> frozenset[str]:
+    from tokenfactory.engine.client import EngineClient
+
+    return frozenset(name for name in vars(EngineClient) if not name.startswith("_"))
+
+
+def _base_name(node: ast.expr) -> str | None:
+    return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+
+
+def held_client(value: ast.expr, package: str) -> bool:
+    """Whether `value` (the object whose attribute is read) is an engine client by the conventions above."""
+    name = _base_name(value)
+    if name == "client":
+        return not (isinstance(value, ast.Attribute) and _base_name(value.value) in NOT_CLIENTS)
+    if name == "engine" and package in ENGINE_IS_CLIENT:
+        return not (isinstance(value, ast.Attribute) and _base_name(value.value) in NOT_CLIENTS)
+    return False
+
+
+def client_attribute_reads(source: str, package: str) -> list[tuple[int, str]]:
+    """(line, attribute) of every attribute read on a client, a `getattr(client, ...)` as ".getattr"."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and held_client(node.value, package):
+            found.append((node.lineno, node.attr))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+              and node.args and held_client(node.args[0], package)):
+            found.append((node.lineno, "getattr"))
+    return sorted(found)
+
+
+def test_nothing_outside_the_engine_reads_past_the_client_protocol() -> None:
+    """Everything the gateway, the fleet and the composition roots need of an engine is on `EngineClient`
+    (engine/client.py): no getattr probing, no `.engine` of an AsyncEngine, no dict facts."""
+    members = protocol_members()
+    slips = []
+    for package in CLIENT_USERS:
+        for path in sorted((PACKAGE / package).rglob("*.py")):
+            for line, attr in client_attribute_reads(path.read_text(), package):
+                if attr not in members:
+                    slips.append(f"{path.relative_to(ROOT)}:{line} reads .{attr} of an engine client, which the "
+                                 f"EngineClient protocol does not offer")
+    assert not slips, "\n".join(slips)
+
+
+def test_the_client_check_sees_what_it_must() -> None:
+    source = ("def f(r, served, request, ledger):\n    r.client.engine\n    served.engine.info\n"
+              "    request.client.host\n    ledger.engine.begin()\n    getattr(r.client, 'facts')\n")
+    assert client_attribute_reads(source, "gateway") == [(2, "engine"), (3, "info"), (6, "getattr")]
+    assert {"info", "facts", "subscribe_steps", "replica_states", "generate"} <= protocol_members()

@@ -9,6 +9,7 @@ import asyncio
 import os
 import re
 import signal
+import threading
 import time
 
 import pytest
@@ -47,10 +48,10 @@ def expected(config) -> list[list[int]]:
 def client(request, config):
     steps: list[StepStats] = []
     if request.param == "async":
-        c = AsyncEngine.launch(lambda: LLMEngine(config, step_listeners=[steps.append]))
+        c = AsyncEngine.launch(lambda: LLMEngine(config))
     else:
         c = start_remote(request.param, config, request)
-        c.step_listeners.append(steps.append)
+    c.subscribe_steps(steps.append)
     c.start()
     c.kind, c.steps = request.param, steps
     yield c
@@ -78,10 +79,13 @@ async def final(client, request: AddRequest):
 
 
 def wait_idle(client, timeout_s: float = 10.0):
-    deadline = time.monotonic() + timeout_s
+    """The first snapshot taken after this call that shows nothing running, waiting or holding a block (one taken
+    before could show an engine idle that is not: snapshots trail the steps)."""
+    called = time.monotonic()
+    deadline = called + timeout_s
     while True:
         s = client.stats()
-        if s.num_running == 0 and s.num_waiting == 0 and s.num_free_kv_blocks == s.num_kv_blocks:
+        if s.time > called and s.num_running == 0 and s.num_waiting == 0 and s.num_free_kv_blocks == s.num_kv_blocks:
             return s
         assert time.monotonic() < deadline, s
         time.sleep(0.02)
@@ -126,12 +130,42 @@ def test_text_logprobs_and_stop_strings_equal_the_engines(client, config) -> Non
 
 
 def test_leaving_early_aborts_and_frees_the_blocks(client) -> None:
+    """It asks for the whole context window and must stop far short of it: a request that ran to its end would
+    pass the wait for idle blocks alone (the tiny model makes 200 tokens well inside it)."""
+    before = wait_idle(client).num_generation_tokens_total
+    room = client.info.max_model_len - len(PROMPTS[2])
+
     async def main() -> None:
-        gen = client.generate(add("a", PROMPTS[2], SamplingParams(max_tokens=200, ignore_eos=True)))
+        gen = client.generate(add("a", PROMPTS[2], SamplingParams(max_tokens=room, ignore_eos=True)))
         await anext(gen)
         await gen.aclose()
     asyncio.run(main())
-    wait_idle(client)
+    generated = wait_idle(client).num_generation_tokens_total - before
+    assert generated < room // 4, f"the aborted request made {generated} of its {room} tokens"
+
+
+def test_steps_reach_listeners_off_the_engine_thread_before_the_final_output(client) -> None:
+    """The meter's contract (engine/client.py): a listener that raises is skipped and the engine goes on; the
+    others hear every step of a request before its final output, and none of them on the engine's thread."""
+    seen: list[tuple[StepStats, str]] = []
+
+    def broken(step: StepStats) -> None:
+        raise RuntimeError("a meter with a bug")
+
+    client.subscribe_steps(broken)
+    client.subscribe_steps(lambda step: seen.append((step, threading.current_thread().name)))
+
+    async def main() -> list:
+        finals = []
+        for i in range(2):
+            out = await final(client, add(f"l{i}", PROMPTS[1]))
+            heard = [w.num_new_tokens for st, _ in seen for w in st.work if w.request_id == f"l{i}"]
+            finals.append((out, sum(heard)))  # read as the final output arrived: every step already heard
+        return finals
+    for out, num_heard in asyncio.run(main()):
+        computed = len(PROMPTS[1]) - out.num_cached_tokens  # the prefix cache holds what earlier tests sent
+        assert out.finished and num_heard == computed + len(out.outputs[0].token_ids) - 1
+    assert client.is_alive and not any(name == "tokenfactory-engine" for _, name in seen)
 
 
 def test_a_request_the_engine_refuses_fails_alone(client, expected) -> None:
@@ -168,7 +202,7 @@ def test_a_killed_worker_ends_its_streams_with_a_named_error(kind, config, reque
     async def main() -> None:
         gen = c.generate(add("k", PROMPTS[1], SamplingParams(max_tokens=10_000, ignore_eos=True)))
         await anext(gen)
-        os.kill(c.facts["pid"], signal.SIGKILL)
+        os.kill(c.facts.pid, signal.SIGKILL)
         with pytest.raises(EngineDeadError, match=r"replica \w+ (died|is gone)"):
             async for _ in gen:
                 pass
@@ -199,7 +233,7 @@ def test_a_hung_process_is_found_within_the_timeout(config) -> None:
         async def main() -> float:
             gen = c.generate(add("h", PROMPTS[1], SamplingParams(max_tokens=10_000, ignore_eos=True)))
             await anext(gen)
-            os.kill(c.facts["pid"], signal.SIGSTOP)
+            os.kill(c.facts.pid, signal.SIGSTOP)
             t0 = time.monotonic()
             with pytest.raises(EngineDeadError, match="hung"):
                 async for _ in gen:
@@ -209,7 +243,7 @@ def test_a_hung_process_is_found_within_the_timeout(config) -> None:
         assert 1.0 < waited < 5.0
     finally:
         try:
-            os.kill(c.facts["pid"], signal.SIGKILL)
+            os.kill(c.facts.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         c.shutdown(2)
@@ -228,7 +262,7 @@ def test_the_autoscaler_places_its_replicas_on_ray(config, ray_address) -> None:
     fleet = Fleet("tiny", [replica])
     fleet.start()
     try:
-        assert replica.kind == "ray" and replica.restart is not None and replica.client.facts["node"] == "ray"
+        assert replica.kind == "ray" and replica.restart is not None and replica.client.facts.node is not None
         out = asyncio.run(final(fleet, add("auto", PROMPTS[0])))
         assert out.finished and out.replica == "a0"
     finally:

@@ -386,10 +386,10 @@ def test_a_failing_step_listener_does_not_take_a_remote_replica_down() -> None:
             pass
 
     fake = FakeEngineClient()
-    remote = RemoteEngine("x", Pipe(), WorkerReady(fake.info, fake.tokenizer, fake.stats()))
-    remote.step_listeners.append(lambda step: 1 / 0)
+    remote = RemoteEngine("x", Pipe(), WorkerReady(fake.info, fake.tokenizer, fake.stats(), fake.facts))
+    remote.subscribe_steps(lambda step: 1 / 0)
     seen = []
-    remote.step_listeners.append(seen.append)
+    remote.subscribe_steps(seen.append)
     remote.start()
     deadline = time.monotonic() + 5
     while not seen:

@@ -106,7 +106,7 @@ def run_validation(tmp: Path) -> dict[str, dict[str, float]]:
     replicas = start_local_replicas(config, 2, None, False, threads, 30.0, cpu_power(2))
     steps: dict[str, list[StepStats]] = {r.replica_id: [] for r in replicas}
     for r in replicas:  # per replica, to see the time between its steps
-        r.client.step_listeners.append(steps[r.replica_id].append)  # type: ignore[attr-defined]
+        r.client.subscribe_steps(steps[r.replica_id].append)
     fleet = Fleet("fake-tiny", replicas)
     gateway = start_gateway(fleet, tmp, timeout=120)
     try:

@@ -10,7 +10,7 @@ import pytest
 
 from tests.fake_engine import FakeEngineClient
 from tests.server_util import start_gateway
-from tokenfactory.engine.client import EngineStats
+from tokenfactory.engine.client import EngineFacts, EngineStats
 from tokenfactory.gateway.dashboard import STATIC_DIR, STATIC_FILES, is_loopback
 from tokenfactory.gateway.dashboard_feed import Replica, Sample, make_point, quantile
 from tokenfactory.meter.attribution import MeterTotals
@@ -37,7 +37,7 @@ def totals(joules: float, busy_s: float, idle_s: float, watts: float | None = No
 
 def test_a_point_is_rates_over_the_interval_by_hand():
     prices = load_prices(device="h100")
-    facts = {"weight_bytes": 270e6, "kv_bytes": 1e9}
+    facts = EngineFacts("m", "cpu", weight_bytes=270_000_000, kv_bytes=1_000_000_000)
     a = Sample(1000.0, 10.0, (Replica("local", stats(), facts),), totals(500.0, 1.0, 1.0),
                ((0.1, 0.0), (1.0, 0.0), (math.inf, 0.0)), ())
     b = Sample(1002.0, 12.0, (Replica("local", stats(
@@ -58,8 +58,9 @@ def test_a_point_is_rates_over_the_interval_by_hand():
 
 
 def test_replicas_are_a_list_of_the_same_snapshot():
-    two = (Replica("r0", stats(num_generation_tokens_total=10), {}), Replica("r1", stats(num_free_kv_blocks=0), {}))
-    before = (Replica("r0", stats(), {}), Replica("r1", stats(), {}))
+    two = (Replica("r0", stats(num_generation_tokens_total=10), None),
+           Replica("r1", stats(num_free_kv_blocks=0), None))
+    before = (Replica("r0", stats(), None), Replica("r1", stats(), None))
     p = make_point(Sample(0, 0, before, None, (), ()), Sample(1, 1, two, None, (), ()), None)
     assert [r["name"] for r in p["replicas"]] == ["r0", "r1"]
     assert p["tokens_out_s"] == 10.0 and p["kv_usage"] == 0.5 and "watts" not in p  # no meter, no power
@@ -183,31 +184,26 @@ def test_an_admin_sees_tenants_and_a_tenant_key_is_refused(authed):
     assert last["tenant"] == "acme" and last["status"] == "finished" and last["completion_tokens"] > 0
 
 
-def test_a_fleet_is_viewed_per_replica_from_its_status():
-    """The fleet's client (fleet/fleet.py) offers status() -> ReplicaStatus(replica_id, stats, ...) and
-    replicas[id].client.facts; the dashboard reads those, one view per replica."""
-    from types import SimpleNamespace
-
+def test_a_fleet_is_viewed_per_replica_from_its_replica_states():
+    """Every client offers replica_states() (engine/client.py): a fleet one per replica with each one's facts,
+    a single engine one ("local"); the dashboard reads those, one view per replica, never the fleet's sum."""
+    from tokenfactory.fleet.fleet import Fleet
+    from tokenfactory.fleet.fleet import Replica as FleetReplica
     from tokenfactory.gateway.dashboard_feed import replicas_of
 
-    fleet = SimpleNamespace(
-        status=lambda: [SimpleNamespace(replica_id="r0", stats=stats(num_running=2)),
-                        SimpleNamespace(replica_id="r1", stats=stats(num_waiting=5))],
-        replicas={"r0": SimpleNamespace(client=SimpleNamespace(facts={"kv_bytes": 2e9})),
-                  "r1": SimpleNamespace(client=SimpleNamespace())},
-        stats=lambda: pytest.fail("a fleet's sum is not read when its replicas are"))
+    fleet = Fleet("fake-tiny", [FleetReplica("r0", FakeEngineClient(num_kv_blocks=64), "local"),
+                                FleetReplica("r1", FakeEngineClient(num_kv_blocks=32), "local")])
     r0, r1 = replicas_of(fleet)
-    assert (r0.name, r0.stats.num_running, r0.facts) == ("r0", 2, {"kv_bytes": 2e9})
-    assert (r1.name, r1.stats.num_waiting, r1.facts) == ("r1", 5, {})
-    single = SimpleNamespace(stats=lambda: stats(num_running=1))
-    [local] = replicas_of(single, {"weight_bytes": 1})
-    assert local.name == "local" and local.facts == {"weight_bytes": 1}
+    assert (r0.name, r0.facts.kv_blocks, r1.name, r1.facts.kv_blocks) == ("r0", 64, "r1", 32)
+    assert fleet.facts.kv_blocks == 96 and fleet.facts.router == "least-work"
+    [local] = replicas_of(FakeEngineClient(num_kv_blocks=16))
+    assert local.name == "local" and local.facts.kv_tokens == 16 * 16
 
 
 def test_busy_share_is_taken_over_the_window_and_capped():
     """A 4 s step that ends inside a 1 s interval counts all its time there: the share over a 10 s
     window is 0.4, and over that one second it is capped at 1."""
-    local = (Replica("local", stats(), {}),)
+    local = (Replica("local", stats(), None),)
     start = Sample(0.0, 0.0, local, totals(0.0, 0.0, 0.0), (), ())
     prev = Sample(9.0, 9.0, local, totals(0.0, 0.0, 9.0), (), ())
     cur = Sample(10.0, 10.0, local, totals(0.0, 4.0, 6.0), (), ())
@@ -237,7 +233,7 @@ def test_the_real_server_dashboard_utilisation_and_statement(tmp_path):
                 client.completions.create(model=client.models.list().data[0].id, prompt="Tokens are made by",
                                           max_tokens=16)
             point = next(e["point"] for e in lines if e["point"]["tokens_out_s"] > 0)
-        assert point["weight_bytes"] > 50e6 and point["kv_free_bytes"] > 0  # AsyncEngine.facts
+        assert point["weight_bytes"] > 50e6 and point["kv_free_bytes"] > 0  # AsyncEngine's EngineFacts
         assert point["watts"] == pytest.approx(40.0) and point["energy_source"] == "constant"
         assert server.metric("tokenfactory:device_tokens_total") > 0
         assert server.metric("tokenfactory:device_busy_seconds_total") > 0

@@ -466,14 +466,22 @@ async def run_contract(client) -> None:
     assert c.finish_reason == FinishReason.STOP and c.text == text[:text.find(stop)]
     with pytest.raises(RequestError, match="stop_token_ids"):
         await outputs(add("c-bad", max_tokens=2, stop_token_ids=(client.info.vocab_size,)))
-    gen = client.generate(add("c-abort", max_tokens=200, ignore_eos=True))
+    # Leaving early aborts it. It asks for the whole context window and must stop far short of it, seen in a
+    # snapshot taken after it left: one taken before could show an idle engine (the snapshot trails the steps),
+    # and a request that ran to its end would pass a wait for free blocks alone.
+    num_generated = client.stats().num_generation_tokens_total
+    room = client.info.max_model_len - len(ids)
+    gen = client.generate(add("c-abort", max_tokens=room, ignore_eos=True))
     assert not (await anext(gen)).finished
-    await gen.aclose()  # leaving early aborts it
-    deadline = time.monotonic() + 10
-    while (s := client.stats()).num_running or s.num_waiting or s.num_free_kv_blocks != s.num_kv_blocks:
+    await gen.aclose()
+    left = time.monotonic()
+    deadline = left + 10
+    while ((s := client.stats()).time <= left or s.num_running or s.num_waiting
+           or s.num_free_kv_blocks != s.num_kv_blocks):
         assert time.monotonic() < deadline, s
         await asyncio.sleep(0.01)
     assert s.num_steps > 0 and s.num_generation_tokens_total > 2 * 12
+    assert s.num_generation_tokens_total - num_generated < room // 4, "the aborted request ran on"
 
 
 def test_the_fake_keeps_the_engine_client_contract() -> None:

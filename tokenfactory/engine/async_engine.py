@@ -8,6 +8,12 @@ the engine thread hands each `RequestOutput` back to the request's stream with `
 and publishes an immutable `EngineStats` snapshot after its steps (at most every `STATS_INTERVAL_S`, and
 whenever it goes idle), which `stats()` returns without touching the engine.
 
+Step listeners (`subscribe_steps`: the meter, which reads a power source) run on a notifier thread, never on
+the engine's: the engine thread hands each step's `StepStats` over with the step's final outputs and failures,
+and the notifier calls the listeners (each guarded: one that raises is logged, the engine goes on) before it
+delivers them, so a request's final output reaches its stream only after the meter has seen its last step.
+Outputs that are not final go straight to their streams: streaming latency does not wait for the meter.
+
 Back-pressure: a stream holds at most one pending output. When the reader has not taken the last one
 yet, the next is merged into it (the newest whole state, the deltas joined), so a client that reads
 slowly costs one output's memory whatever its speed, and never a queue of copies. A request the engine
@@ -28,20 +34,19 @@ from collections.abc import AsyncIterator, Callable
 from tokenfactory.engine.client import (
     AbortRequest,
     AddRequest,
-    ChargeEnergy,
+    ClientBase,
+    Control,
+    DrainReplica,
     EngineDeadError,
     EngineStats,
     Message,
-    ModelInfo,
     RequestError,
-    SetTenantWeight,
     Shutdown,
 )
 from tokenfactory.engine.engine import LLMEngine
 from tokenfactory.engine.output_stream import OutputStream, RequestFailed, read_outputs
-from tokenfactory.engine.worker import EngineWorker
-from tokenfactory.models.tokenizer import Tokenizer
-from tokenfactory.types import RequestOutput
+from tokenfactory.engine.worker import EngineWorker, engine_facts
+from tokenfactory.types import RequestOutput, StepStats
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +55,11 @@ STATS_INTERVAL_S = 0.05
 __all__ = ["AbortRequest", "AddRequest", "AsyncEngine", "EngineDeadError", "OutputStream", "RequestError"]
 
 
-class AsyncEngine:
+# What the engine thread hands the notifier: steps, then the (request id, final output or failure) they ended.
+_Notice = tuple[tuple[StepStats, ...], list[tuple[str, RequestOutput | RequestFailed]]]
+
+
+class AsyncEngine(ClientBase):
     """The in-process EngineClient: an LLMEngine stepped by its own thread.
 
     `launch(factory)` builds and warms the engine up on that thread, and is what a server should use: with
@@ -95,62 +104,46 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="tokenfactory-engine", daemon=True)
 
     def _setup(self, engine: LLMEngine) -> None:
+        super().__init__(engine.info, engine.tokenizer, engine_facts(engine))
         self._engine = engine
         self._worker = EngineWorker(engine)
-        self._info = engine.info
         self.inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self.streams: dict[str, tuple[asyncio.AbstractEventLoop, OutputStream]] = {}
         # Each counter is written by one thread only, so their difference needs no lock.
         self.num_added = 0  # by the event loop
         self.num_taken = 0  # by the engine thread
-        self._dead_reason: str | None = None
-        self.finish_listeners: list[Callable[[RequestOutput], None]] = []
+        self._steps: list[StepStats] = []  # the engine thread's, since its last hand-over
+        engine.step_listeners.append(self._steps.append)
+        self._notices: queue.SimpleQueue[_Notice | None] = queue.SimpleQueue()
+        self._notifier = threading.Thread(target=self._notify, name="tokenfactory-engine-listeners", daemon=True)
         self._stats = engine.stats()
         self._stats_time = 0.0
 
     # -- the client's side (any thread) -------------------------------------------------------------------
 
     @property
-    def info(self) -> ModelInfo:
-        return self._info
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self._engine.tokenizer  # immutable after load; the gateway tokenizes on its side
-
-    @property
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self._dead_reason is None
-
-    @property
-    def dead_reason(self) -> str | None:
-        return self._dead_reason
-
-    @property
-    def engine(self) -> LLMEngine:
-        """The engine itself, for the composition root's start-up banner (immutable facts: capacity, device,
-        weights); its running state belongs to the engine thread alone."""
-        return self._engine
-
-    @property
-    def facts(self) -> dict[str, object]:
-        """What does not change while it runs, as the fleet's workers report it (WorkerReady.facts): the
-        dashboard's memory split (weights, KV cache) reads it."""
-        cap = self._engine.capacity
-        return {"device": str(self._engine.device), "weight_bytes": self._engine.weight_bytes,
-                "kv_bytes": cap.total_bytes, "kv_blocks": cap.num_blocks, "kv_tokens": cap.num_tokens}
 
     def start(self) -> None:
         """Start stepping (an engine from `launch` is already stepping)."""
         if not self._thread.is_alive():
             self._thread.start()
 
+    def subscribe_steps(self, listener: Callable[[StepStats], None]) -> None:
+        if not self._notifier.is_alive():
+            self._notifier.start()  # before the engine thread can see a listener (it then hands steps over)
+        super().subscribe_steps(listener)
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self.inbox.put(Shutdown())
         self._thread.join(timeout)
+        if self._notifier.is_alive() and not self._thread.is_alive():
+            self._notifier.join(timeout)
 
-    def send(self, message: SetTenantWeight | ChargeEnergy | AbortRequest) -> None:
-        self.inbox.put(message)
+    def send(self, message: Control) -> None:
+        if not isinstance(message, DrainReplica):  # one engine has no replica to drain
+            self.inbox.put(message)
 
     def stats(self) -> EngineStats:
         s = self._stats
@@ -183,21 +176,55 @@ class AsyncEngine:
         try:
             while self._drain_inbox(block=not engine.has_unfinished_requests):
                 if engine.has_unfinished_requests:
-                    outputs, failures = self._worker.step()
-                    self._deliver_step([(f.request_id, f) for f in failures] +
-                                       [(out.request_id, out) for out in outputs])
-                    for out in outputs:
-                        if out.finished:
-                            for listener in self.finish_listeners:
-                                listener(out)
+                    self._step()
                 self._publish_stats(force=not engine.has_unfinished_requests)
         except BaseException as e:  # the engine itself is broken: fail every open stream, never hang them
             self._dead_reason = f"the engine stopped: {type(e).__name__}: {e}"
             logger.exception("engine loop crashed")
         self._publish_stats(force=True)
         reason = self._dead_reason or "the engine was shut down"
-        for request_id in list(self.streams):
-            self._deliver(request_id, RequestFailed(request_id, reason, fatal=True))
+        ends: list[tuple[str, RequestOutput | RequestFailed]] = [
+            (request_id, RequestFailed(request_id, reason, fatal=True)) for request_id in list(self.streams)]
+        if self._notifier.is_alive():  # after the finals it still holds: a request that finished stays finished
+            self._notices.put(((), ends))
+            self._notices.put(None)
+        else:
+            for request_id, item in ends:
+                self._deliver(request_id, item)
+
+    def _step(self) -> None:
+        """One step; its outputs to their streams, its steps and what it ended through the notifier."""
+        outputs, failures = self._worker.step()
+        items: list[tuple[str, RequestOutput | RequestFailed]] = [(f.request_id, f) for f in failures]
+        items += [(out.request_id, out) for out in outputs]
+        if not self._step_listeners:  # nobody to hear the steps: everything straight to the streams
+            self._steps.clear()
+            self._deliver_step(items)
+            return
+        self._deliver_step([(rid, item) for rid, item in items if isinstance(item, RequestOutput)
+                            and not item.finished])
+        ends = [(rid, item) for rid, item in items if not isinstance(item, RequestOutput) or item.finished]
+        steps = tuple(self._steps)
+        self._steps.clear()
+        self._notices.put((steps, ends))
+
+    def _notify(self) -> None:
+        """The notifier thread: each hand-over's steps to the listeners, then its finals to their streams (all
+        that waits at once: a notifier that fell behind catches up in one go)."""
+        while True:
+            batch = [self._notices.get()]
+            try:
+                while True:
+                    batch.append(self._notices.get_nowait())
+            except queue.Empty:
+                pass
+            for notice in batch:
+                if notice is None:
+                    return
+                steps, ends = notice
+                for step in steps:
+                    self.publish_step(step)
+                self._deliver_step(ends, abort_orphans=False)  # this thread never touches the engine
 
     def _publish_stats(self, force: bool) -> None:
         now = time.monotonic()
@@ -221,15 +248,16 @@ class AsyncEngine:
             if (failure := self._worker.apply(msg)) is not None:
                 self._deliver(failure.request_id, failure)
 
-    def _deliver_step(self, items: list[tuple[str, RequestOutput | RequestFailed]]) -> None:
+    def _deliver_step(self, items: list[tuple[str, RequestOutput | RequestFailed]], abort_orphans: bool = True
+                      ) -> None:
         """A step's outputs, one `call_soon_threadsafe` per event loop rather than one per request: each call
         wakes the loop (a write to its self-pipe) and takes the GIL from this thread, 32 times a step at 32
-        streams."""
+        streams. `abort_orphans` (the engine thread only): abort a request nobody listens to any more."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[OutputStream, RequestOutput | RequestFailed]]] = {}
         for request_id, item in items:
             target = self.streams.get(request_id)
             if target is None:
-                if isinstance(item, RequestOutput) and not item.finished:
+                if abort_orphans and isinstance(item, RequestOutput) and not item.finished:
                     self._engine.abort_request(request_id)  # nobody is listening any more
                 continue
             by_loop.setdefault(target[0], []).append((target[1], item))
@@ -238,20 +266,25 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_put_all, pairs)
             except RuntimeError:  # the event loop is closed
                 for _, item in pairs:
-                    if isinstance(item, RequestOutput):
+                    if abort_orphans and isinstance(item, RequestOutput):
                         self._engine.abort_request(item.request_id)
 
     def _deliver(self, request_id: str, item: RequestOutput | RequestFailed) -> None:
+        """On the engine thread: to the stream, or abort the request when nobody is listening any more."""
+        if not self._put(request_id, item) and isinstance(item, RequestOutput) and not item.finished:
+            self._engine.abort_request(request_id)
+
+    def _put(self, request_id: str, item: RequestOutput | RequestFailed) -> bool:
+        """Into the request's stream (any thread); False when it has none or its event loop is closed."""
         target = self.streams.get(request_id)
         if target is None:
-            if isinstance(item, RequestOutput) and not item.finished:
-                self._engine.abort_request(request_id)  # nobody is listening any more
-            return
+            return False
         loop, stream = target
         try:
             loop.call_soon_threadsafe(stream.put, item)
         except RuntimeError:  # the event loop is closed
-            self._engine.abort_request(request_id)
+            return False
+        return True
 
 
 def _put_all(pairs: list[tuple[OutputStream, RequestOutput | RequestFailed]]) -> None:

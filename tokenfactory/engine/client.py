@@ -8,15 +8,22 @@ crosses it is plain, picklable data: no callbacks into live objects, no shared m
 
 This module imports no torch: a gateway, or a test of one, can hold a client without a model.
 
-    messages in      AddRequest, AbortRequest, SetTenantWeight, ChargeEnergy, Shutdown
+    messages in      AddRequest, AbortRequest, SetTenantWeight, ChargeEnergy, DrainReplica, Shutdown
     outputs out      RequestOutput per request (generate), RequestError / EngineDeadError
-    snapshots out    EngineStats: immutable, one per step (stats())
-    facts            ModelInfo: what the model is and what it accepts (validation needs no engine)
+    steps out        StepStats to each `subscribe_steps` listener (the meter), off the engine's thread, in
+                     step order, and always before the final output of any request in that step
+    snapshots out    EngineStats: immutable, one per step (stats()); ReplicaState per engine behind the client
+    facts            ModelInfo: what the model is and what it accepts (validation needs no engine);
+                     EngineFacts: what the engine holds (device, weights, KV) and where it runs
+
+`ClientBase` holds what every client keeps the same way (info, tokenizer, facts, why it stopped, the step
+listeners), so the four clients (AsyncEngine, RemoteEngine, HTTPBackend, Fleet) write it once.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+import logging
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -25,6 +32,10 @@ from tokenfactory.types import ParameterError, RequestOutput, SamplingParams, St
 if TYPE_CHECKING:
     from tokenfactory.config import ModelConfig
     from tokenfactory.models.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+StepListener = Callable[[StepStats], None]
 
 # -- messages in --------------------------------------------------------------------------------------------
 
@@ -63,11 +74,21 @@ class ChargeEnergy:
 
 
 @dataclass(frozen=True)
+class DrainReplica:
+    """No new work to one replica behind the client (its streams finish), or take it back (`drain` False).
+    Only a fleet has replicas to drain; any other client ignores it (its `replica_states()` says kind)."""
+
+    replica_id: str
+    drain: bool = True
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Stop after the current step; open streams end with EngineDeadError."""
 
 
 Message = AddRequest | AbortRequest | SetTenantWeight | ChargeEnergy | Shutdown
+Control = SetTenantWeight | ChargeEnergy | AbortRequest | DrainReplica  # what `send` takes
 
 
 class EngineDeadError(RuntimeError):
@@ -204,17 +225,73 @@ class ModelInfo:
                                  f"[0, {self.vocab_size})")
 
 
+@dataclass(frozen=True)
+class EngineFacts:
+    """What an engine holds and where it runs: fixed once it is ready (the start-up banner, the dashboard's
+    memory split, /fleet/replicas). None: this client cannot know it (an external server's weights)."""
+
+    model_path: str
+    device: str
+    dtype: str | None = None
+    weight_bytes: int | None = None  # resident (packed and any dense copy)
+    kv_bytes: int | None = None
+    kv_blocks: int | None = None
+    kv_tokens: int | None = None
+    max_model_len: int | None = None
+    max_concurrent_seqs: float | None = None  # sequences of max_model_len tokens the KV cache holds at once
+    pid: int | None = None  # a local process's or Ray actor's
+    url: str | None = None  # an external server's
+    node: str | None = None  # the Ray node (its address) a replica runs on
+    node_id: str | None = None  # Ray's id of that node
+    energy_source: str | None = None  # a replica that meters itself: its power source (None: the gateway's)
+    router: str | None = None  # a fleet's routing policy
+
+    @property
+    def where(self) -> str:
+        """pid 123 on node 10.0.0.5, a URL, or '' (in this process)."""
+        parts = [f"pid {self.pid}"] if self.pid is not None else []
+        if self.node is not None:
+            parts.append(f"on node {self.node}")
+        return self.url or " ".join(parts)
+
+
+@dataclass(frozen=True)
+class ReplicaState:
+    """One engine behind a client as it stands: a single engine is one ("local"), a fleet has one per replica.
+    The counters are the fleet's routing (zero for a single engine)."""
+
+    replica_id: str
+    kind: str  # engine | process | ray | backend (| local: an in-process engine inside a fleet)
+    state: str  # ready | draining | down | restarting
+    alive: bool
+    stats: EngineStats
+    facts: EngineFacts
+    down_reason: str | None = None
+    num_outstanding: int = 0
+    outstanding_tokens: int = 0
+    num_routed: int = 0
+    num_rerouted_away: int = 0
+    num_failed_mid_stream: int = 0
+    num_restarts: int = 0
+    last_route: str | None = None  # why the router last chose it
+
+    @property
+    def up(self) -> bool:
+        """Taking new requests: alive and not draining."""
+        return self.alive and self.state == "ready"
+
+
 # -- what a worker in another process sends back (the fleet's replicas; engine/worker.py) ---------------------
 
 
 @dataclass(frozen=True)
 class WorkerReady:
-    """A worker's first message: its model built and warmed up. `facts` are the start-up banner's figures."""
+    """A worker's first message: its model built and warmed up, and what it holds."""
 
     info: ModelInfo
     tokenizer: Tokenizer
     stats: EngineStats
-    facts: Mapping[str, object] = field(default_factory=dict)
+    facts: EngineFacts
 
 
 @dataclass(frozen=True)
@@ -230,13 +307,17 @@ class WorkerEvents:
 
 
 class EngineClient(Protocol):
-    """The only way into an engine (see the module's docstring)."""
+    """The only way into an engine (see the module's docstring). Nothing outside engine/ reads anything of a
+    client but these (tests/test_layering.py checks it)."""
 
     @property
     def info(self) -> ModelInfo: ...
 
     @property
     def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def facts(self) -> EngineFacts: ...
 
     @property
     def is_alive(self) -> bool: ...
@@ -246,6 +327,17 @@ class EngineClient(Protocol):
 
     def start(self) -> None: ...
 
+    def subscribe_steps(self, listener: StepListener) -> None:
+        """Call `listener` with every step's StepStats from now on: never on the engine's thread, in step
+        order, and before the final output of any request in that step reaches its stream (the meter settles
+        a request right after its final output: it has seen every step). A listener that raises is logged and
+        skipped; the engine goes on. Keep it cheap: it delays final outputs, not steps."""
+        ...
+
+    def replica_states(self) -> tuple[ReplicaState, ...]:
+        """Each engine behind this client (one for a single engine): for /fleet/replicas, /health, the dashboard."""
+        ...
+
     def shutdown(self, timeout: float = 10.0) -> None: ...
 
     def generate(self, request: AddRequest) -> AsyncIterator[RequestOutput]:
@@ -253,8 +345,62 @@ class EngineClient(Protocol):
         failed) or EngineDeadError (the engine stopped)."""
         ...
 
-    def send(self, message: SetTenantWeight | ChargeEnergy | AbortRequest) -> None: ...
+    def send(self, message: Control) -> None: ...
 
     def stats(self) -> EngineStats:
         """The latest snapshot (cheap: no call into the engine thread)."""
         ...
+
+
+class ClientBase:
+    """What every EngineClient keeps the same way: the model's info and tokenizer, its facts, why it stopped,
+    and its step listeners (called through `publish_step`, each guarded). `kind` names it in replica_states."""
+
+    kind = "engine"
+
+    def __init__(self, info: ModelInfo, tokenizer: Tokenizer, facts: EngineFacts) -> None:
+        self._info, self._tokenizer, self._facts = info, tokenizer, facts
+        self._dead_reason: str | None = None
+        self._step_listeners: list[StepListener] = []
+        self.num_listener_errors = 0
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer  # immutable after load: the gateway tokenizes on its side
+
+    @property
+    def facts(self) -> EngineFacts:
+        return self._facts
+
+    @property
+    def is_alive(self) -> bool:
+        return self._dead_reason is None
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self._dead_reason
+
+    def subscribe_steps(self, listener: StepListener) -> None:
+        self._step_listeners = [*self._step_listeners, listener]  # copied: a publisher iterates without a lock
+
+    def publish_step(self, step: StepStats) -> None:
+        """Each listener in turn; one that raises is logged (its first failure in full) and the rest still run."""
+        for listener in self._step_listeners:
+            try:
+                listener(step)
+            except Exception:  # a listener's bug (the meter's, a policy's) must not stop the engine
+                self.num_listener_errors += 1
+                if self.num_listener_errors == 1 or self.num_listener_errors % 1000 == 0:
+                    logger.exception("a step listener failed (%d failures so far)", self.num_listener_errors)
+
+    def stats(self) -> EngineStats:
+        raise NotImplementedError
+
+    def replica_states(self) -> tuple[ReplicaState, ...]:
+        alive = self.is_alive
+        return (ReplicaState("local", self.kind, "ready" if alive else "down", alive, self.stats(),
+                             self.facts, self.dead_reason),)

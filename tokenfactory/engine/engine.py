@@ -83,7 +83,8 @@ class RequestState:
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
                  step_listeners: Seq[Callable[[StepStats], None]] = ()) -> None:
-        """`step_listeners`: called with each step's StepStats on the engine's thread (the meter's on_step)."""
+        """`step_listeners`: called with each step's StepStats on the engine's thread, each guarded (a server's
+        meter subscribes through its client instead, and runs on the client's notifier thread)."""
         self.config = config
         loaded = loaded if loaded is not None else load_model(config.model)
         self.model_config = loaded.config
@@ -130,6 +131,7 @@ class LLMEngine:
         self._probing = False
         self.requests: dict[str, RequestState] = {}
         self.step_listeners: list[Callable[[StepStats], None]] = list(step_listeners)
+        self.num_listener_errors = 0
         self._muted = False  # warm-up and probe steps are the engine's own: no listener hears them
         self.recent_steps: deque[StepStats] = deque(maxlen=1024)
         self.num_steps = 0
@@ -568,7 +570,12 @@ class LLMEngine:
         self.recent_steps.append(stats)
         if not self._muted:
             for listener in self.step_listeners:
-                listener(stats)
+                try:
+                    listener(stats)
+                except Exception:  # noqa: BLE001 - a listener's bug must not stop the engine
+                    self.num_listener_errors += 1
+                    if self.num_listener_errors == 1:
+                        logger.exception("a step listener failed (counted in num_listener_errors from now on)")
 
     # -- conveniences --------------------------------------------------------------------------------------
 

@@ -20,11 +20,13 @@ from tokenfactory.engine.client import (
     AbortRequest,
     AddRequest,
     ChargeEnergy,
+    EngineFacts,
     Message,
     RequestFailed,
     SetTenantWeight,
     Shutdown,
     WorkerEvents,
+    WorkerReady,
 )
 from tokenfactory.engine.engine import LLMEngine
 from tokenfactory.types import ParameterError, RequestOutput, StepStats
@@ -80,6 +82,20 @@ class EngineWorker:
             else:
                 outputs.append(out)
         return outputs, failures
+
+
+def engine_facts(engine: LLMEngine) -> EngineFacts:
+    """What a built engine holds (every host reports it the same way)."""
+    cap = engine.capacity
+    return EngineFacts(engine.model_path, str(engine.device), str(engine.dtype).removeprefix("torch."),
+                       weight_bytes=engine.weight_bytes, kv_bytes=cap.total_bytes, kv_blocks=cap.num_blocks,
+                       kv_tokens=cap.num_tokens, max_model_len=cap.max_model_len,
+                       max_concurrent_seqs=cap.max_concurrent_seqs)
+
+
+def worker_ready(engine: LLMEngine) -> WorkerReady:
+    """A replica host's first message: the engine is built and warmed up."""
+    return WorkerReady(engine.info, engine.tokenizer, engine.stats(), engine_facts(engine))
 
 
 def compact_output(out: RequestOutput, first: bool) -> RequestOutput:

@@ -37,14 +37,14 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 import httpx
 
 from tokenfactory.engine.client import (
-    AbortRequest,
     AddRequest,
-    ChargeEnergy,
+    ClientBase,
+    Control,
     EngineDeadError,
+    EngineFacts,
     EngineStats,
     ModelInfo,
     RequestError,
-    SetTenantWeight,
 )
 from tokenfactory.types import CompletionOutput, FinishReason, RequestMetrics, RequestOutput, SamplingParams
 
@@ -133,18 +133,21 @@ def completion_body(model: str, request: AddRequest) -> dict[str, Any]:
     return body
 
 
-class HTTPBackend:
-    """An EngineClient over an OpenAI-compatible server (see the module's docstring)."""
+class HTTPBackend(ClientBase):
+    """An EngineClient over an OpenAI-compatible server (see the module's docstring). It sends no steps: its
+    step subscribers hear nothing (its energy is modelled per request, fleet/energy.py)."""
+
+    kind = "backend"
 
     def __init__(self, name: str, url: str, model: str, info: ModelInfo, tokenizer: Tokenizer,
                  api_key: str | None = None, poll_s: float = 1.0, timeout_s: float = 600.0, *,
                  basic_auth: tuple[str, str] | None = None, max_stream_s: float = 3600.0,
-                 max_line_bytes: int = 1 << 20) -> None:
+                 max_line_bytes: int = 1 << 20, device: str = "unknown") -> None:
         """`url` may carry `user:password@` (sent as basic auth, never kept in `url`); `timeout_s`: the longest
         silence within a response; `max_stream_s`: the longest whole response."""
         url, in_url = split_credentials(url)
         self.name, self.url, self.model = name, url.rstrip("/").removesuffix("/v1"), model
-        self._info, self._tokenizer = info, tokenizer
+        super().__init__(info, tokenizer, EngineFacts(info.path, device, url=self.url))
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         credentials = basic_auth or in_url
         self.auth = httpx.BasicAuth(*credentials) if credentials and not api_key else None
@@ -155,29 +158,12 @@ class HTTPBackend:
         self.metrics = BackendMetrics()
         self._num_in_flight = 0
         self._num_failed_checks = 0
-        self._dead_reason: str | None = None
         self._num_prompt_tokens = self._num_generation_tokens = self._num_requests = 0
         self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll, name=f"backend-{name}-poll", daemon=True)
 
     # -- EngineClient ------------------------------------------------------------------------------------
-
-    @property
-    def info(self) -> ModelInfo:
-        return self._info
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self._tokenizer
-
-    @property
-    def is_alive(self) -> bool:
-        return self._dead_reason is None
-
-    @property
-    def dead_reason(self) -> str | None:
-        return self._dead_reason
 
     def start(self) -> None:
         if not self._poller.is_alive():
@@ -186,7 +172,7 @@ class HTTPBackend:
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
 
-    def send(self, message: SetTenantWeight | ChargeEnergy | AbortRequest) -> None:
+    def send(self, message: Control) -> None:
         pass  # weights and joules are ours to keep; an abort is the stream being closed
 
     def stats(self) -> EngineStats:
@@ -208,7 +194,7 @@ class HTTPBackend:
     async def _generate(self, request: AddRequest) -> AsyncIterator[RequestOutput]:
         if self._dead_reason is not None:
             raise EngineDeadError(self._dead_reason)
-        client = self._client()
+        http = self._client()
         metrics = RequestMetrics(arrival_time=request.arrival_time, first_scheduled_time=time.monotonic())
         state = _Accumulated(request, self._tokenizer, metrics, self.name, self._info.max_model_len)
         produced = False
@@ -217,8 +203,8 @@ class HTTPBackend:
         self._notify(request.request_id, True)
         deadline = time.monotonic() + self.max_stream_s
         try:
-            async with client.stream("POST", f"{self.url}/v1/completions", headers=self.headers, auth=self.auth,
-                                     json=completion_body(self.model, request), timeout=self.timeout_s) as resp:
+            async with http.stream("POST", f"{self.url}/v1/completions", headers=self.headers, auth=self.auth,
+                                   json=completion_body(self.model, request), timeout=self.timeout_s) as resp:
                 if resp.status_code >= 400:
                     body = (await _read_at_most(resp, MAX_ERROR_BYTES)).decode(errors="replace")[:500]
                     raise RequestError(f"backend {self.name} answered {resp.status_code}: {body}")

@@ -32,10 +32,15 @@ from tokenfactory.engine.client import (
     AbortRequest,
     AddRequest,
     ChargeEnergy,
+    ClientBase,
+    Control,
+    DrainReplica,
     EngineClient,
     EngineDeadError,
+    EngineFacts,
     EngineStats,
     ModelInfo,
+    ReplicaState,
     RequestError,
     SetTenantWeight,
 )
@@ -63,8 +68,6 @@ class Replica:
     replica_id: str
     client: EngineClient
     kind: str  # local | process | ray | backend
-    device: str = "cpu"
-    power_source: str = "modelled"
     idle_watts: float = 10.0
     busy_watts: float = 60.0
     restart: Callable[[], EngineClient] | None = None
@@ -77,6 +80,7 @@ class Replica:
     num_restarts: int = 0
     down_reason: str | None = None
     down_since: float | None = None
+    last_route: str | None = None
 
     @property
     def routable(self) -> bool:
@@ -92,35 +96,14 @@ class Replica:
                            len(self.request_id_to_tokens), self.idle_watts, self.busy_watts, self.step_model)
 
 
-@dataclass(frozen=True)
-class ReplicaStatus:
-    """A replica for /metrics, /fleet/replicas and the dashboard."""
-
-    replica_id: str
-    kind: str
-    model: str
-    device: str
-    power_source: str
-    state: str
-    alive: bool
-    stats: EngineStats
-    num_outstanding: int
-    outstanding_tokens: int
-    num_routed: int
-    num_rerouted_away: int
-    num_failed_mid_stream: int
-    num_restarts: int
-    down_reason: str | None
-    pid: int | None = None  # a local process's or Ray actor's
-    url: str | None = None  # an external backend's
-
-
 class NoReplicaError(EngineDeadError):
     """No replica can take the request now (all down, draining or restarting)."""
 
 
-class Fleet:
+class Fleet(ClientBase):
     """An EngineClient over replicas of one model (see the module's docstring)."""
+
+    kind = "fleet"
 
     def __init__(self, model: str, replicas: Sequence[Replica], router: RoutingPolicy | None = None,
                  max_reroutes: int = 2, check_interval_s: float = 0.5, restart_backoff_s: float = 2.0,
@@ -129,16 +112,17 @@ class Fleet:
         `hold_s` > 0: a request that finds no routable replica waits that long for one (scale from zero)."""
         if not replicas and (info is None or tokenizer is None):
             raise ValueError("a fleet needs at least one replica, or the model's info and tokenizer")
+        first = replicas[0].client if replicas else None
+        info = info if info is not None else first.info  # type: ignore[union-attr]
+        super().__init__(info, tokenizer if tokenizer is not None else first.tokenizer,  # type: ignore[union-attr]
+                         first.facts if first is not None else EngineFacts(info.path, info.device, info.dtype))
         self.model = model
         self.replicas: dict[str, Replica] = {r.replica_id: r for r in replicas}
         self.router = router if router is not None else make_router("least-work")
         self.max_reroutes = max_reroutes
         self.check_interval_s, self.restart_backoff_s = check_interval_s, restart_backoff_s
-        self.step_listeners: list[Callable[[StepStats], None]] = []  # every replica's steps: the meter
-        self.decisions: list[RouteDecision] = []  # the most recent ones, for tests and /fleet/replicas
+        self.decisions: list[RouteDecision] = []  # the most recent ones, for tests
         self.request_id_to_replica: dict[str, str] = {}
-        self._info = info if info is not None else replicas[0].client.info
-        self._tokenizer = tokenizer if tokenizer is not None else replicas[0].client.tokenizer
         # Scale from zero: with hold_s > 0, a request that finds no routable replica waits that long for one
         # (an autoscaler starting it, a restart) instead of failing; num_held is the autoscaler's signal.
         self.hold_s = hold_s
@@ -152,12 +136,17 @@ class Fleet:
     # -- EngineClient ------------------------------------------------------------------------------------
 
     @property
-    def info(self) -> ModelInfo:
-        return self._info
+    def facts(self) -> EngineFacts:
+        """The model's (the first replica's, as the fleet started), its router, and what its replicas hold
+        together (None where one of them cannot say)."""
+        held = [r.client.facts for r in list(self.replicas.values())]
 
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self._tokenizer
+        def total(name: str) -> int | None:
+            values = [getattr(f, name) for f in held]
+            return None if not values or None in values else sum(values)
+        return dataclasses.replace(self._facts, weight_bytes=total("weight_bytes"), kv_bytes=total("kv_bytes"),
+                                   kv_blocks=total("kv_blocks"), kv_tokens=total("kv_tokens"), pid=None, url=None,
+                                   node=None, node_id=None, router=self.router.name)
 
     @property
     def is_alive(self) -> bool:
@@ -181,8 +170,11 @@ class Fleet:
         for r in self.replicas.values():
             r.client.shutdown(timeout)
 
-    def send(self, message: SetTenantWeight | ChargeEnergy | AbortRequest) -> None:
-        if isinstance(message, SetTenantWeight):
+    def send(self, message: Control) -> None:
+        if isinstance(message, DrainReplica):
+            if message.replica_id in self.replicas:
+                (self.drain if message.drain else self.undrain)(message.replica_id)
+        elif isinstance(message, SetTenantWeight):
             self._weights[message.tenant] = message.weight
             for r in self.replicas.values():
                 r.client.send(message)
@@ -274,6 +266,7 @@ class Fleet:
         replica = self.replicas[decision.replica_id]
         self.decisions.append(decision)
         del self.decisions[:-256]
+        replica.last_route = f"{decision.policy}: {decision.reason}"
         self.router.routed(route, replica.replica_id)
         replica.num_routed += 1
         replica.request_id_to_tokens[route.request_id] = route.expected_tokens
@@ -311,23 +304,24 @@ class Fleet:
         self.router.forget(replica_id)
         replica.client.shutdown(timeout_s)
 
-    def status(self) -> list[ReplicaStatus]:
-        return [ReplicaStatus(r.replica_id, r.kind, self.model, r.device, r.power_source, r.state,
-                              r.client.is_alive, r.client.stats(), len(r.request_id_to_tokens),
-                              sum(r.request_id_to_tokens.values()), r.num_routed, r.num_rerouted_away,
-                              r.num_failed_mid_stream, r.num_restarts, r.down_reason or r.client.dead_reason,
-                              getattr(r.client, "facts", {}).get("pid"), getattr(r.client, "url", None))
-                for r in self.replicas.values()]
+    def status(self) -> list[ReplicaState]:
+        return [ReplicaState(r.replica_id, r.kind, r.state, r.client.is_alive, r.client.stats(), r.client.facts,
+                             r.down_reason or r.client.dead_reason, len(r.request_id_to_tokens),
+                             sum(r.request_id_to_tokens.values()), r.num_routed, r.num_rerouted_away,
+                             r.num_failed_mid_stream, r.num_restarts, r.last_route)
+                for r in list(self.replicas.values())]
+
+    def replica_states(self) -> tuple[ReplicaState, ...]:
+        return tuple(self.status())
 
     def _attach(self, replica: Replica) -> None:
-        listeners = getattr(replica.client, "step_listeners", None)
-        if listeners is not None:
-            listeners.append(lambda step, r=replica: self._on_step(r, step))
+        client = replica.client
+        client.subscribe_steps(lambda step: self._on_step(replica, client, step))
 
-    def _on_step(self, replica: Replica, step: StepStats) -> None:
-        replica.step_model.observe(len({w.request_id for w in step.work}), step.duration_s)
-        for listener in self.step_listeners:
-            listener(step)
+    def _on_step(self, replica: Replica, client: EngineClient, step: StepStats) -> None:
+        if replica.client is client:  # not a late step of the client it had before a restart (still metered)
+            replica.step_model.observe(len({w.request_id for w in step.work}), step.duration_s)
+        self.publish_step(step)
 
     def _supervise(self) -> None:
         while not self._stop.wait(self.check_interval_s):

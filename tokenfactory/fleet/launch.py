@@ -182,8 +182,8 @@ def replica_starter(config: EngineConfig, threads: int, use_ray: bool, ray_addre
 def local_replica(name: str, kind: str, start: Callable[[str], EngineClient], client: EngineClient,
                   config: EngineConfig, power: DevicePower) -> Replica:
     """A started local replica as the fleet keeps it: it restarts the way it was started."""
-    return Replica(name, client, kind, device=config.device, power_source="meter", idle_watts=power.idle_watts,
-                   busy_watts=power.busy_watts, restart=_restarter(start, name))
+    return Replica(name, client, kind, idle_watts=power.idle_watts, busy_watts=power.busy_watts,
+                   restart=_restarter(start, name))
 
 
 def start_local_replicas(config: EngineConfig, num_replicas: int, ray_address: str | None, use_ray: bool,
@@ -210,12 +210,11 @@ def backend_replicas(specs: Sequence[BackendSpec], served_name: str, info: Model
     replicas, energies = [], []
     for i, spec in enumerate(specs, first_index):
         name = f"b{i}"
-        client = HTTPBackend(name, spec.url, spec.model or spec.served or served_name, info, tokenizer, spec.api_key,
-                             basic_auth=spec.basic_auth)
+        backend = HTTPBackend(name, spec.url, spec.model or spec.served or served_name, info, tokenizer,
+                              spec.api_key, basic_auth=spec.basic_auth, device=spec.device or "unknown")
         power = catalog_power(spec.device) if spec.device else cpu_power(1)
         energy = BackendEnergy(name, power.busy_watts, power.scope, prices_for(spec.device))
-        client.request_listeners.append(energy.on_request)
-        replicas.append(Replica(name, client, "backend", device=spec.device or "unknown", power_source="modelled",
-                                idle_watts=power.idle_watts, busy_watts=power.busy_watts))
+        backend.request_listeners.append(energy.on_request)
+        replicas.append(Replica(name, backend, "backend", idle_watts=power.idle_watts, busy_watts=power.busy_watts))
         energies.append(energy)
     return replicas, energies

@@ -8,6 +8,7 @@ draining) and exits when the pipe closes, so a gateway that dies takes no orphan
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -89,9 +90,8 @@ def start_process_replica(name: str, config: EngineConfig, threads: int | None =
         transport.kill()
         transport.close(1)
         raise RuntimeError(f"replica {name} could not start: {reason}")
-    client = RemoteEngine(name, transport, first, hang_timeout_s)
-    client.facts["pid"] = process.pid
-    return client
+    where = dataclasses.replace(first.facts, pid=process.pid)
+    return RemoteEngine(name, transport, dataclasses.replace(first, facts=where), hang_timeout_s, kind="process")
 
 
 def _child_main(conn: multiprocessing.connection.Connection, config: EngineConfig, threads: int | None) -> None:
@@ -102,7 +102,7 @@ def _child_main(conn: multiprocessing.connection.Connection, config: EngineConfi
     except BaseException as e:  # noqa: BLE001 - told to the parent, which refuses to start
         conn.send(WorkerEvents(dead_reason=f"{type(e).__name__}: {e}"))
         return
-    from tokenfactory.engine.worker import serve_worker
+    from tokenfactory.engine.worker import serve_worker, worker_ready
 
     conn.send(worker_ready(engine))
 
@@ -137,12 +137,3 @@ def build_engine(config: EngineConfig, threads: int | None):  # noqa: ANN201 - L
     engine = LLMEngine(config)
     engine.warmup()
     return engine
-
-
-def worker_ready(engine) -> WorkerReady:  # noqa: ANN001 - an LLMEngine
-    cap = engine.capacity
-    facts = {"model_path": engine.model_path, "device": str(engine.device),
-             "dtype": str(engine.dtype).removeprefix("torch."), "weight_bytes": engine.weight_bytes,
-             "kv_tokens": cap.num_tokens, "kv_blocks": cap.num_blocks, "kv_bytes": cap.total_bytes,
-             "max_model_len": cap.max_model_len, "max_concurrent_seqs": cap.max_concurrent_seqs}
-    return WorkerReady(engine.info, engine.tokenizer, engine.stats(), facts)

@@ -10,6 +10,7 @@ On this side, `RayTransport` keeps one poll in flight and turns a dead actor int
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import queue
 import threading
@@ -33,8 +34,8 @@ class EngineActorImpl:
         threading.Thread(target=self._run, args=(config, threads), name="tokenfactory-engine", daemon=True).start()
 
     def _run(self, config: EngineConfig, threads: int | None) -> None:
-        from tokenfactory.engine.worker import serve_worker
-        from tokenfactory.fleet.process import build_engine, worker_ready
+        from tokenfactory.engine.worker import serve_worker, worker_ready
+        from tokenfactory.fleet.process import build_engine
 
         try:
             engine = build_engine(config, threads)
@@ -163,10 +164,8 @@ def start_ray_replica(name: str, config: EngineConfig, threads: int | None = Non
         transport.kill()
         reason = first.dead_reason if isinstance(first, WorkerEvents) else f"not ready in {ready_timeout_s:g} s"
         raise RuntimeError(f"replica {name} could not start on Ray: {reason}")
-    client = RemoteEngine(name, transport, first, hang_timeout_s)
-    client.facts["pid"] = ray.get(actor.pid.remote())
-    client.facts["node"] = "ray"
-    return client
+    where = dataclasses.replace(first.facts, pid=ray.get(actor.pid.remote()), node="ray")
+    return RemoteEngine(name, transport, dataclasses.replace(first, facts=where), hang_timeout_s, kind="ray")
 
 
 __all__ = ["EngineActorImpl", "RayTransport", "Shutdown", "actor_class", "start_ray_replica"]

@@ -18,27 +18,24 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from tokenfactory.engine.client import (
     AbortRequest,
     AddRequest,
-    ChargeEnergy,
+    ClientBase,
+    Control,
+    DrainReplica,
     EngineStats,
     Message,
-    ModelInfo,
-    SetTenantWeight,
     Shutdown,
     WorkerEvents,
     WorkerReady,
 )
 from tokenfactory.engine.output_stream import OutputStream, RequestFailed, read_outputs
-from tokenfactory.types import RequestOutput, StepStats
-
-if TYPE_CHECKING:
-    from tokenfactory.models.tokenizer import Tokenizer
+from tokenfactory.types import RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -93,42 +90,25 @@ class _Whole:
         return dataclasses.replace(out, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids, outputs=outputs)
 
 
-class RemoteEngine:
-    """An EngineClient over a Transport (see the module's docstring)."""
+class RemoteEngine(ClientBase):
+    """An EngineClient over a Transport (see the module's docstring). `ready.facts` carry where it runs (the
+    host adds its pid and node before constructing it)."""
 
-    def __init__(self, name: str, transport: Transport, ready: WorkerReady, hang_timeout_s: float = 10.0) -> None:
-        self.name = name
+    def __init__(self, name: str, transport: Transport, ready: WorkerReady, hang_timeout_s: float = 10.0,
+                 kind: str = "process") -> None:
+        super().__init__(ready.info, ready.tokenizer, ready.facts)
+        self.name, self.kind = name, kind
         self._transport = transport
-        self._info, self._tokenizer, self._stats = ready.info, ready.tokenizer, ready.stats
-        self.facts = dict(ready.facts)
+        self._stats = ready.stats
         self.hang_timeout_s = hang_timeout_s
         self.streams: dict[str, tuple[asyncio.AbstractEventLoop, OutputStream]] = {}
         self._wholes: dict[str, _Whole] = {}  # the receiver's; a closing stream pops its own (atomic)
-        self.step_listeners: list[Callable[[StepStats], None]] = []
-        self.finish_listeners: list[Callable[[RequestOutput], None]] = []
         self._lock = threading.Lock()  # streams: added by the event loop, read by the receiver
-        self._dead_reason: str | None = None
         self._num_in_flight_adds = 0  # sent, not yet reflected in a snapshot
         self._last_event_time = time.monotonic()
         self._receiver = threading.Thread(target=self._receive, name=f"replica-{name}-recv", daemon=True)
 
     # -- EngineClient ------------------------------------------------------------------------------------
-
-    @property
-    def info(self) -> ModelInfo:
-        return self._info
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self._tokenizer
-
-    @property
-    def is_alive(self) -> bool:
-        return self._dead_reason is None
-
-    @property
-    def dead_reason(self) -> str | None:
-        return self._dead_reason
 
     def start(self) -> None:
         if not self._receiver.is_alive():
@@ -150,8 +130,8 @@ class RemoteEngine:
         self._fail_all(reason)
         self._transport.kill()
 
-    def send(self, message: SetTenantWeight | ChargeEnergy | AbortRequest) -> None:
-        if self._dead_reason is not None:
+    def send(self, message: Control) -> None:
+        if self._dead_reason is not None or isinstance(message, DrainReplica):
             return
         try:
             self._transport.send(message)
@@ -209,12 +189,8 @@ class RemoteEngine:
             self._fail_all(f"replica {self.name}: its receiver failed: {type(e).__name__}: {e}")
 
     def _apply(self, batch: WorkerEvents) -> None:
-        for step in batch.steps:
-            for listener in self.step_listeners:
-                try:
-                    listener(step)
-                except Exception:  # a listener's bug (the meter's, a policy's) must not take the replica down
-                    logger.exception("replica %s: a step listener failed", self.name)
+        for step in batch.steps:  # before the batch's outputs: the meter has a request's steps before its end
+            self.publish_step(step)
         if batch.stats is not None:
             self._stats = batch.stats
             self._num_in_flight_adds = 0
@@ -229,9 +205,6 @@ class RemoteEngine:
             if out.finished:
                 del self._wholes[out.request_id]
             self._deliver(out.request_id, out)
-            if out.finished:
-                for listener in self.finish_listeners:
-                    listener(out)
         if batch.dead_reason is not None:
             self._fail_all(f"replica {self.name}: {batch.dead_reason}")
 

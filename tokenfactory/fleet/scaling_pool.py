@@ -135,7 +135,7 @@ def observe_steps(fleet: Fleet, latency: LatencyWindow, clock: Callable[[], floa
     def on_step(step: StepStats) -> None:  # on a replica's receiver thread: it must not raise
         if step.num_decode_tokens:
             latency.observe(clock(), None, step.duration_s)
-    fleet.step_listeners.append(on_step)
+    fleet.subscribe_steps(on_step)
 
 
 class ControllerThread:

@@ -26,12 +26,11 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tokenfactory.engine.client import EngineClient
-from tokenfactory.fleet.fleet import Fleet
 from tokenfactory.gateway import dashboard
 from tokenfactory.gateway.admin import install_tenancy
 from tokenfactory.gateway.auth import StoreExecutor
 from tokenfactory.gateway.errors import APIError, BodySizeLimit, install_error_handlers
-from tokenfactory.gateway.fleet_routes import fleet_down, install_fleet_routes
+from tokenfactory.gateway.fleet_routes import install_fleet_routes, replicas_down
 from tokenfactory.gateway.metrics import LatencyObserver, ServerMetrics
 from tokenfactory.gateway.routes import install_openai_routes
 from tokenfactory.gateway.trust import LoopbackTrust, TrustSettings
@@ -101,9 +100,12 @@ def build_app(engine: EngineClient, settings: ServerSettings, accounting: Accoun
 
     install_error_handlers(app, count_error)
     auth = install_tenancy(app, tenancy, executor, count_error)
-    fleets = [s.engine for s in service.models.values() if isinstance(s.engine, Fleet)]
-    if fleets:  # /fleet/replicas and per-replica /metrics (fleet_routes.py)
-        install_fleet_routes(app, fleets, metrics.registry, tenancy)
+
+    def served_clients() -> dict[str, EngineClient]:
+        return {name: s.engine for name, s in service.models.items()}
+
+    # /fleet/replicas and per-replica /metrics (fleet_routes.py), over each client's replica states
+    install_fleet_routes(app, served_clients, metrics.registry, tenancy)
     app.state.dashboard = dashboard.install(app, engine, metrics, accounting, tenancy, auth)  # /dashboard
     install_openai_routes(app, service, settings.stream_send_timeout_s)
 
@@ -117,7 +119,7 @@ def build_app(engine: EngineClient, settings: ServerSettings, accounting: Accoun
             return JSONResponse({"status": "degraded", "model": settings.served_model_name, "reason": ledger.reason,
                                  "ledger_rows_pending": ledger.num_pending})
         down = {**{n: s.engine.dead_reason or "stopped" for n, s in service.models.items() if not s.engine.is_alive},
-                **{rid: why for fleet in fleets for rid, why in fleet_down(fleet).items()}}
+                **replicas_down(served_clients())}
         if down:  # serving goes on with the others
             return JSONResponse({"status": "degraded", "model": settings.served_model_name,
                                  "reason": f"{len(down)} models or replicas are not taking requests",

@@ -16,9 +16,9 @@ Prometheus' rate(x[10s]) (a per-second rate of prefill-sized steps would be all 
     ttft/tpot p50, p99          histogram_quantile over the window's bucket deltas
                                 (Prometheus' linear interpolation inside a bucket)                [s]
 
-Replicas: a client that fronts several engines (the fleet) offers `replicas` (name -> EngineClient); each
-point then carries one entry per replica, the same fields as the single engine's, and the totals summed.
-Memory comes from a client's `facts` ("weight_bytes", "kv_bytes"), when it has them.
+Replicas: each engine behind the client (`EngineClient.replica_states()`: one for a single engine, one per
+replica for a fleet) gets an entry per point, the same fields for each, and the totals summed. Memory comes
+from each one's `EngineFacts` (weight and KV bytes), null where a client cannot know them.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import Histogram
 
-from tokenfactory.engine.client import EngineClient, EngineStats
+from tokenfactory.engine.client import EngineClient, EngineFacts, EngineStats
 from tokenfactory.meter.attribution import Meter, MeterTotals
 from tokenfactory.meter.prices import Prices
 
@@ -42,7 +42,7 @@ from tokenfactory.meter.prices import Prices
 class Replica:
     name: str
     stats: EngineStats
-    facts: Mapping[str, Any]
+    facts: EngineFacts | None
 
 
 @dataclass(frozen=True)
@@ -55,17 +55,9 @@ class Sample:
     tpot_buckets: tuple[tuple[float, float], ...]
 
 
-def replicas_of(engine: EngineClient, default_facts: Mapping[str, Any] | None = None) -> tuple[Replica, ...]:
-    """One Replica per engine behind the client: a fleet's `status()` (ReplicaStatus: replica_id, stats), with
-    facts from its `replicas[id].client.facts`; else the client itself as "local", with its `facts` or
-    `default_facts` (what serve knows of its in-process engine)."""
-    status = getattr(engine, "status", None)
-    if callable(status):
-        id_to_replica = getattr(engine, "replicas", None) or {}
-        return tuple(Replica(s.replica_id, s.stats, dict(getattr(getattr(id_to_replica.get(s.replica_id), "client",
-                                                                         None), "facts", None) or {}))
-                     for s in status())
-    return (Replica("local", engine.stats(), dict(getattr(engine, "facts", None) or default_facts or {})),)
+def replicas_of(engine: EngineClient) -> tuple[Replica, ...]:
+    """One Replica per engine behind the client, from its replica states."""
+    return tuple(Replica(s.replica_id, s.stats, s.facts) for s in engine.replica_states())
 
 
 def buckets(histogram: Histogram) -> tuple[tuple[float, float], ...]:
@@ -110,7 +102,7 @@ def replica_point(prev: Replica | None, cur: Replica, dt: float) -> dict[str, An
     spec, pspec = s.speculative, p.speculative
     acceptance = (_ratio(spec.num_accepted_tokens - pspec.num_accepted_tokens,
                          spec.num_draft_tokens - pspec.num_draft_tokens) if spec and pspec else None)
-    kv_bytes = cur.facts.get("kv_bytes")
+    kv_bytes = cur.facts.kv_bytes if cur.facts is not None else None
     return {
         "name": cur.name, "alive": s.alive,
         "tokens_in_s": _rate(s.num_prompt_tokens_total - p.num_prompt_tokens_total, dt),
@@ -119,7 +111,7 @@ def replica_point(prev: Replica | None, cur: Replica, dt: float) -> dict[str, An
         "preemptions": s.num_preemptions - p.num_preemptions,
         "prefix_hit_rate": _ratio(s.num_prefix_hits - p.num_prefix_hits, s.num_prefix_queries - p.num_prefix_queries),
         "spec_acceptance": acceptance,
-        "weight_bytes": cur.facts.get("weight_bytes"),
+        "weight_bytes": cur.facts.weight_bytes if cur.facts is not None else None,
         "kv_used_bytes": kv_bytes * s.kv_cache_usage if kv_bytes is not None else None,
         "kv_free_bytes": kv_bytes * (1.0 - s.kv_cache_usage) if kv_bytes is not None else None,
     }
@@ -192,7 +184,6 @@ class DashboardFeed:
         self._points: deque[tuple[int, dict[str, Any]]] = deque(maxlen=max(int(history_s / interval_s), 1))
         self._samples: deque[Sample] = deque(maxlen=window + 1)
         self._seq = 0
-        self.default_facts: dict[str, Any] = {}  # weight_bytes, kv_bytes of a client that has no `facts`
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -209,7 +200,7 @@ class DashboardFeed:
             self._thread = None
 
     def sample(self) -> Sample:
-        return Sample(self._wall(), self._clock(), replicas_of(self.engine, self.default_facts),
+        return Sample(self._wall(), self._clock(), replicas_of(self.engine),
                       self.meter.totals() if self.meter is not None else None,
                       buckets(self._ttft), buckets(self._tpot))
 

@@ -1,5 +1,7 @@
-"""The fleet's routes and metrics: `/fleet/replicas` (list, drain, undrain) and per-replica series in /metrics.
+"""The replicas' routes and metrics: `/fleet/replicas` (list, drain, undrain) and per-replica series in /metrics.
 
+Built on what every engine client offers (`replica_states()`: one for a single engine, one per replica of a
+fleet; `DrainReplica` sent through the client), so the gateway does not care what stands behind a model.
 Replica management is an operator's: with `--auth` it needs an admin key, without it a loopback client.
 Per replica, /metrics carries `tokenfactory:replica_up`, its running and waiting requests, KV usage, the
 outstanding tokens the router counts, and counters of requests routed, re-routed away and failed mid-stream
@@ -9,14 +11,14 @@ outstanding tokens the router counts, and counters of requests routed, re-routed
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping
 
 from fastapi import FastAPI, Request
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from tokenfactory.fleet.fleet import Fleet, ReplicaStatus
+from tokenfactory.engine.client import DrainReplica, EngineClient, ReplicaState
 from tokenfactory.gateway.auth import principal_of
 from tokenfactory.gateway.dashboard import is_loopback
 from tokenfactory.gateway.errors import APIError
@@ -24,24 +26,31 @@ from tokenfactory.service.tenancy import Tenancy
 
 P = "tokenfactory:"
 
+Models = Callable[[], Mapping[str, EngineClient]]  # served name -> its client, read at each call
+
+
+def states_of(models: Mapping[str, EngineClient]) -> list[tuple[str, ReplicaState]]:
+    """(model, state) of every engine behind every served model."""
+    return [(name, s) for name, client in models.items() for s in client.replica_states()]
+
 
 class ReplicaCollector(Collector):
-    def __init__(self, fleets: Sequence[Fleet]) -> None:
-        self.fleets = list(fleets)
+    def __init__(self, models: Models) -> None:
+        self.models = models
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        statuses = [s for fleet in self.fleets for s in fleet.status()]
+        states = states_of(self.models())
         labels = ["model_name", "replica", "kind"]
 
-        def family(cls: type, name: str, doc: str, value: object) -> GaugeMetricFamily | CounterMetricFamily:
+        def family(cls: type, name: str, doc: str, value: Callable[[ReplicaState], float]
+                   ) -> GaugeMetricFamily | CounterMetricFamily:
             f = cls(P + name, doc, labels=labels)
-            for s in statuses:
-                f.add_metric([s.model, s.replica_id, s.kind], float(value(s)))  # type: ignore[operator]
+            for model, s in states:
+                f.add_metric([model, s.replica_id, s.kind], float(value(s)))
             return f
 
         g, c = GaugeMetricFamily, CounterMetricFamily
-        yield family(g, "replica_up", "1 while the replica takes new requests (alive, not draining)",
-                     lambda s: s.alive and s.state == "ready")
+        yield family(g, "replica_up", "1 while the replica takes new requests (alive, not draining)", lambda s: s.up)
         yield family(g, "replica_num_requests_running", "Sequences in the replica's batch",
                      lambda s: s.stats.num_running)
         yield family(g, "replica_num_requests_waiting", "Sequences waiting in the replica",
@@ -58,31 +67,35 @@ class ReplicaCollector(Collector):
         yield family(c, "replica_restarts", "Times the replica was restarted", lambda s: s.num_restarts)
 
 
-def status_json(s: ReplicaStatus) -> dict:
-    d = dataclasses.asdict(s)
-    stats = d.pop("stats")
+def status_json(model: str, s: ReplicaState) -> dict:
+    d = {"model": model, **dataclasses.asdict(s)}
+    stats, facts = d.pop("stats"), d.pop("facts")
+    d |= {k: facts[k] for k in ("device", "pid", "url", "node", "node_id", "energy_source")}
     d["num_running"], d["num_waiting"] = stats["num_running"], stats["num_waiting"]
     d["kv_cache_usage"] = s.stats.kv_cache_usage
     d["num_prefix_hits"], d["num_prefix_queries"] = stats["num_prefix_hits"], stats["num_prefix_queries"]
     return d
 
 
-def fleet_down(fleet: Fleet) -> dict[str, str]:
-    """Replicas not taking requests, and why (for /health: the fleet serves on, degraded)."""
-    return {s.replica_id: s.down_reason or s.state for s in fleet.status() if not (s.alive and s.state == "ready")}
+def replicas_down(models: Mapping[str, EngineClient]) -> dict[str, str]:
+    """Replicas not taking requests, and why (for /health: the others serve on, degraded). A single engine is
+    not listed: when it stops, the model is down (its own /health line)."""
+    return {s.replica_id: s.down_reason or s.state for _, s in states_of(models)
+            if not s.up and s.kind != "engine"}
 
 
-def install_fleet_routes(app: FastAPI, fleets: Sequence[Fleet], registry: CollectorRegistry, tenancy: Tenancy
-                         ) -> None:
-    """The routes over every model's fleet; replica ids are unique across them (launch.py prefixes them)."""
-    registry.register(ReplicaCollector(fleets))
+def install_fleet_routes(app: FastAPI, models: Models, registry: CollectorRegistry, tenancy: Tenancy) -> None:
+    """The routes over every served model's replicas; replica ids are unique across them (launch.py prefixes
+    them)."""
+    registry.register(ReplicaCollector(models))
 
-    def owner(replica_id: str) -> Fleet:
-        fleet = next((f for f in fleets if replica_id in f.replicas), None)
-        if fleet is None:
-            raise APIError(404, f"no replica {replica_id!r}; see GET /fleet/replicas", "not_found_error",
-                           "replica_id")
-        return fleet
+    def owner(replica_id: str) -> tuple[str, EngineClient, ReplicaState]:
+        for name, client in models().items():
+            for s in client.replica_states():
+                if s.replica_id == replica_id and s.kind != "engine":
+                    return name, client, s
+        raise APIError(404, f"no replica {replica_id!r} that can be drained; see GET /fleet/replicas",
+                       "not_found_error", "replica_id")
 
     def check_operator(request: Request) -> None:
         if tenancy.auth_on:
@@ -95,20 +108,21 @@ def install_fleet_routes(app: FastAPI, fleets: Sequence[Fleet], registry: Collec
     @app.get("/fleet/replicas")
     async def list_replicas(request: Request) -> dict:
         check_operator(request)
-        decisions = [{"model": f.model, **dataclasses.asdict(d)} for f in fleets for d in f.decisions[-20:]]
-        return {"object": "list", "models": {f.model: {"router": f.router.name} for f in fleets},
-                "data": [status_json(s) for f in fleets for s in f.status()], "recent_decisions": decisions}
+        served = models()
+        return {"object": "list", "models": {n: {"router": c.facts.router} for n, c in served.items()},
+                "data": [status_json(n, s) for n, s in states_of(served)]}
+
+    def set_draining(replica_id: str, drain: bool) -> dict:
+        name, client, _ = owner(replica_id)
+        client.send(DrainReplica(replica_id, drain))
+        return status_json(name, next(s for s in client.replica_states() if s.replica_id == replica_id))
 
     @app.post("/fleet/replicas/{replica_id}/drain")
     async def drain(replica_id: str, request: Request) -> dict:
         check_operator(request)
-        fleet = owner(replica_id)
-        fleet.drain(replica_id)
-        return status_json(next(s for s in fleet.status() if s.replica_id == replica_id))
+        return set_draining(replica_id, True)
 
     @app.post("/fleet/replicas/{replica_id}/undrain")
     async def undrain(replica_id: str, request: Request) -> dict:
         check_operator(request)
-        fleet = owner(replica_id)
-        fleet.undrain(replica_id)
-        return status_json(next(s for s in fleet.status() if s.replica_id == replica_id))
+        return set_draining(replica_id, False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,7 +13,7 @@ from tokenfactory.serve.flags import engine_config_from_args, fleet_mode
 
 logger = logging.getLogger("tokenfactory.serve")
 
-def make_engine(config, loaded, step_listeners: Sequence[Callable], threads: int | None = None):  # noqa: ANN001, ANN201
+def make_engine(config, loaded, threads: int | None = None):  # noqa: ANN001, ANN201
     """The LLMEngine (imported lazily), on the calling thread: the one that will step it."""
     from tokenfactory.engine.engine import LLMEngine
 
@@ -21,7 +21,7 @@ def make_engine(config, loaded, step_listeners: Sequence[Callable], threads: int
         import torch
 
         torch.set_num_threads(threads)
-    return LLMEngine(config, loaded, step_listeners=step_listeners)
+    return LLMEngine(config, loaded)
 
 
 def load_checked(args: argparse.Namespace):  # noqa: ANN201 - (EngineConfig, LoadedModel)
@@ -137,9 +137,10 @@ def launch_checked(args: argparse.Namespace) -> tuple[Any, Any, tuple[Any, str, 
         name = served_name(str(loaded.path), args.served_model_name)
         made["loaded"] = loaded
         made["accounting"] = build_accounting(args, loaded.config, resolve_device(config.device).type, name)
-        return make_engine(config, loaded, [made["accounting"][0].meter.on_step], getattr(args, "threads", None))
+        return make_engine(config, loaded, getattr(args, "threads", None))
 
     client = AsyncEngine.launch(build)
+    client.subscribe_steps(made["accounting"][0].meter.on_step)  # on the client's notifier thread, not the engine's
     return client, made["loaded"], made["accounting"]
 
 
@@ -149,12 +150,11 @@ def start_engine(args: argparse.Namespace) -> Started:
 
     client, loaded, (accounting, power, prices) = launch_checked(args)
     name = served_name(str(loaded.path), args.served_model_name)
-    engine, cap = client.engine, client.engine.capacity
-    banner = [f"  model   {engine.model_path}",
-              f"  device  {engine.device} ({str(engine.dtype).removeprefix('torch.')}), "
-              f"{engine.weight_bytes / 2**20:.0f} MiB of weights",
-              f"  KV      {cap.num_tokens} tokens in {cap.num_blocks} blocks ({cap.total_bytes / 2**30:.2f} GiB); "
-              f"max_model_len {cap.max_model_len} -> {cap.max_concurrent_seqs:.1f} sequences at full length"]
+    f = client.facts
+    banner = [f"  model   {f.model_path}",
+              f"  device  {f.device} ({f.dtype}), {(f.weight_bytes or 0) / 2**20:.0f} MiB of weights",
+              f"  KV      {f.kv_tokens} tokens in {f.kv_blocks} blocks ({(f.kv_bytes or 0) / 2**30:.2f} GiB); "
+              f"max_model_len {f.max_model_len} -> {f.max_concurrent_seqs or 0:.1f} sequences at full length"]
     return Started(client, accounting, name, banner, power, prices)
 
 

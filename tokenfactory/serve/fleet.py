@@ -38,7 +38,7 @@ def start_fleet(args: argparse.Namespace) -> Started:
     fleets = {g.name: Fleet(g.name, g.replicas, _router(args), info=g.info, tokenizer=g.tokenizer,
                             hold_s=hold_s(args) if g.name == name else 0.0) for g in groups}
     for fleet in fleets.values():
-        fleet.step_listeners.append(accounting.meter.on_step)  # one meter: this machine's power, every step
+        fleet.subscribe_steps(accounting.meter.on_step)  # one meter: this machine's power, every step
         fleet.start()
     from tokenfactory.serve.autoscale import describe, start_autoscaler
 
@@ -49,10 +49,9 @@ def start_fleet(args: argparse.Namespace) -> Started:
     for fleet in fleets.values():
         banner.append(f"  fleet   {fleet.model}: {len(fleet.replicas)} replicas, router {fleet.router.name}")
         for r in fleet.replicas.values():
-            facts = getattr(r.client, "facts", {})
-            where = f"pid {facts['pid']}" if "pid" in facts else getattr(r.client, "url", "")
-            banner.append(f"    {r.replica_id:6} {r.kind:8} {r.device:6} {where}; routing watts {r.idle_watts:.0f} "
-                          f"idle / {r.busy_watts:.0f} busy")
+            facts = r.client.facts
+            banner.append(f"    {r.replica_id:6} {r.kind:8} {facts.device:6} {facts.where}; routing watts "
+                          f"{r.idle_watts:.0f} idle / {r.busy_watts:.0f} busy")
     return Started(fleets.pop(name), accounting, name, banner, power, prices, extra_models=fleets,
                    autoscaling=autoscaling)
 
@@ -77,7 +76,7 @@ def _model_group(args: argparse.Namespace, config, num_replicas: int, name: str 
                                     num_local) if num_replicas else []
     if replicas:
         client = replicas[0].client
-        info, tokenizer, model_path = client.info, client.tokenizer, str(client.facts["model_path"])
+        info, tokenizer, model_path = client.info, client.tokenizer, client.facts.model_path
     else:
         config, loaded = load_checked(args)
         info, tokenizer, model_path = model_info(config, loaded), loaded.tokenizer, str(loaded.path)
