@@ -44,9 +44,9 @@ GPTQMODEL_RECIPES: dict[str, tuple[str, dict]] = {
     "gptq-4b-channel-sym": ("tiny", dict(bits=4, group_size=-1, desc_act=False, sym=True, act_group_aware=False)),
     "gptq-8b-g64-actorder-sym": ("tiny", dict(bits=8, group_size=64, desc_act=True, sym=True)),
     "gptq-8b-g32-asym": ("tiny", dict(bits=8, group_size=32, desc_act=False, sym=False)),
-    "awq-gemm-4b-g64": ("tiny", dict(bits=4, group_size=64, method="awq")),
+    "awq-gemm-4b-g64": ("tiny", dict(bits=4, group_size=64, method="awq")),  # sym: zero_point false
     "smollm2-gptq-4b-g32-actorder": ("smollm2", dict(bits=4, group_size=32, desc_act=True, sym=True)),
-    "smollm2-awq-gemm-4b-g32": ("smollm2", dict(bits=4, group_size=32, method="awq")),
+    "smollm2-awq-gemm-4b-g32": ("smollm2", dict(bits=4, group_size=32, sym=False, method="awq")),
 }
 # name -> (base, scheme preset or None, weights args for a custom group, modifier)
 LLMCOMPRESSOR_RECIPES: dict[str, tuple[str, dict]] = {

@@ -5,8 +5,8 @@ compressed-tensors), its codes kept (layers/checkpoint_formats.py maps them), re
     gptq                 4/8-bit, any group size the kernels can tile (32,    other bits, checkpoint formats other
                          64, 128, 256, per channel), sym or not, desc_act     than gptq/gptq_v2 (marlin, bitblas,
                          (g_idx), checkpoint_format gptq (v1) or gptq_v2     ...), per-module `dynamic` overrides
-    awq                  4-bit GEMM packing with zero points                 GEMV / GEMV-fast / Marlin / other
-                                                                             versions, zero_point false
+    awq                  4-bit GEMM packing, zero points or symmetric        GEMV / GEMV-fast / Marlin / other
+                                                                             versions
     compressed-tensors   pack-quantized integer weights, 4/8-bit, group /   activation quantization (W8A8, FP8),
                          channel / tensor strategy, sym or not, and the     other formats (float-quantized, nvfp4,
                          weight_g_idx of releases that wrote act-order       ...), sparsity, transforms, KV-cache
@@ -142,13 +142,12 @@ class AWQFormat(CheckpointFormat):
         version = str(config.get("version") or config.get("format") or "gemm").lower()
         if version != "gemm":
             raise ValueError(f"{where}: AWQ version {version!r} is not supported (GEMM packing only)")
-        if not config.get("zero_point", True):
-            raise ValueError(f"{where}: AWQ zero_point false is not supported (GEMM checkpoints carry zero points)")
         bits = int(config.get("bits") or config.get("w_bit") or 4)  # type: ignore[call-overload]
         if bits != 4:
             raise ValueError(f"{where}: AWQ bits {bits} is not supported (4-bit only)")
         group = config.get("group_size", config.get("q_group_size", 128))
-        self.scheme = LayerScheme(4, _group_size(group, f"{where}: AWQ"), symmetric=False)
+        # zero_point false is symmetric: GPTQModel still stores qzeros (all 8), checked against the midpoint.
+        self.scheme = LayerScheme(4, _group_size(group, f"{where}: AWQ"), symmetric=not config.get("zero_point", True))
 
     def scheme_for(self, module: str) -> LayerScheme:
         return self.scheme
