@@ -55,8 +55,9 @@ def client(gw: Gateway) -> openai.OpenAI:
 
 
 def completion_line(custom_id: str, prompt: str = "hi") -> str:
+    """One line, its non-ASCII characters raw (as JSON allows, and as other clients write them)."""
     return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
-                       "body": {"prompt": prompt, "max_tokens": 4}})
+                       "body": {"prompt": prompt, "max_tokens": 4}}, ensure_ascii=False)
 
 
 def test_files_can_be_deleted_and_expire(tmp_path: Path) -> None:
@@ -123,6 +124,7 @@ def test_lines_split_on_newline_only_and_bounded_fields_are_400s(gw: Gateway) ->
     c = client(gw)
     prompts = ["a\u2028b", "c\u0085d", "e\u2029f\x0cg"]  # each a separator to str.splitlines(), not to JSONL
     content = "\r\n".join(completion_line(f"u{i}", p) for i, p in enumerate(prompts)).encode()
+    assert "\u2028".encode() in content
     f = c.files.create(file=("in.jsonl", io.BytesIO(content)), purpose="batch")
     batch = c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
     while (batch := c.batches.retrieve(batch.id)).status != "completed":

@@ -25,7 +25,7 @@ from tokenfactory.tenants.store import Tenant, TenantStore
 
 pytestmark = pytest.mark.slow
 ARGS = ("--auth", "--max-num-seqs", "8", "--batch-lines-in-flight", "8", "--batch-stop-grace", "0",
-        "--power-source", "constant", "--power-watts", "50")
+        "--power-source", "constant", "--power-watts", "50", "--machine-profile", "off")  # kernels are not tested here
 
 
 def tenant_key(data_dir: Path) -> str:
@@ -72,7 +72,7 @@ def health_while(server: Server, busy: threading.Event, done: threading.Event) -
 def test_a_hostile_file_is_validated_while_health_answers_within_100_ms(tmp_path: Path) -> None:
     data_dir = tmp_path
     key = tenant_key(data_dir / "data")
-    server = start_server(data_dir, *ARGS)
+    server = start_server(data_dir, *ARGS, timeout=300)
     try:
         c = client(server, key)
         lines = [chat_line(f"d{i}", 1) for i in range(10_000)] + [chat_line("same", 1)] * 10_000
@@ -102,18 +102,20 @@ def test_a_hostile_file_is_validated_while_health_answers_within_100_ms(tmp_path
 def test_a_job_sigtermed_mid_way_and_restarted_bills_exactly_its_output(tmp_path: Path) -> None:
     data_dir = tmp_path
     key = tenant_key(data_dir / "data")
-    first = start_server(data_dir, *ARGS)
+    first = start_server(data_dir, *ARGS, timeout=300)
     c = client(first, key)
     num_lines, max_tokens = 24, 32
     batch = c.batches.create(input_file_id=upload(c, [chat_line(f"r{i}", max_tokens) for i in range(num_lines)]),
                              endpoint="/v1/chat/completions", completion_window="24h")
     wait(c, batch.id, "progress", at_least=8)
-    assert first.stop(signal.SIGTERM) == 0  # its lines in flight are cut off at once (--batch-stop-grace 0)
+    # A graceful stop (uvicorn re-raises the signal once it has shut down): its lines in flight are cut off
+    # at once (--batch-stop-grace 0) and their aborted rows written before it exits.
+    assert first.stop(signal.SIGTERM) in (0, -signal.SIGTERM)
     with sqlite3.connect(data_dir / "data" / "ledger.db") as db:
         aborted = db.execute("SELECT count(*) FROM requests WHERE request_id LIKE ? AND status = 'aborted'",
                              (batch.id + "-%",)).fetchone()[0]
     assert aborted >= 1, "the stop cut no line off: the test proves nothing"
-    second = start_server(data_dir, *ARGS)
+    second = start_server(data_dir, *ARGS, timeout=300)
     try:
         c = client(second, key)
         final = wait(c, batch.id)
