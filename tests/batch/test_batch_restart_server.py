@@ -28,6 +28,13 @@ ARGS = ("--auth", "--max-num-seqs", "8", "--batch-lines-in-flight", "8", "--batc
         "--power-source", "constant", "--power-watts", "50", "--machine-profile", "off")  # kernels are not tested here
 
 
+@pytest.fixture(autouse=True)
+def _pytorch_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The servers here use PyTorch's attention, not the compiled CPU kernels: a start then never waits on
+    another process's compile of them (minutes on a shared machine), and kernels are not what is tested."""
+    monkeypatch.setenv("TOKENFACTORY_CPU_KERNELS", "0")
+
+
 def tenant_key(data_dir: Path) -> str:
     ledger = Ledger.open(data_dir)
     store = TenantStore(ledger.engine)
