@@ -132,6 +132,9 @@ class EngineConfig:
     grammar_compile_timeout_s: float = 10.0
     grammar_cache_size: int = 256
     jump_forward: bool = True
+    # Embeddings' pooling of the hidden states: "auto" (the model's own setting, from a sentence-transformers
+    # folder or GGUF metadata, else the last token), "last" or "mean" (tokenfactory.engine.pooling, validated there).
+    pooling: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

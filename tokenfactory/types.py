@@ -26,6 +26,9 @@ MAX_LOGPROBS = 20
 # 20 tool definitions with rich schemas are ~15 kB; a schema of 256 KiB is already far beyond what a model fills.
 MAX_GRAMMAR_CHARS = 256 * 1024
 MAX_CHOICES = 1024
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for each token's bias: -100 (never) .. 100 (only that token)
+MAX_LOGIT_BIAS_TOKENS = 1024
+POOLING_METHODS = ("last", "mean")  # embeddings: the last prompt token's hidden state, or the mean of all
 
 # Priority bands: a tenant's band name -> Sequence.priority; lower is admitted first. Shared by the tenant
 # store (which validates names) and the fair-share policies (which order by it).
@@ -135,12 +138,16 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
-    max_tokens: int | None = 16  # None: until the context window is full
+    max_tokens: int | None = 16  # None: until the context window is full; 0: score the prompt, generate nothing
     min_tokens: int = 0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token (0: only the chosen one)
+    prompt_logprobs: int | None = None  # the same for each prompt token (the first has none: nothing precedes it)
+    # Token id -> a bias added to its logit before sampling, in [-100, 100] (OpenAI's logit_bias). A mapping is
+    # accepted and kept as (id, bias) pairs sorted by id, so the params stay immutable.
+    logit_bias: tuple[tuple[int, float], ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     speculative: bool = True  # per-request opt-out of speculative decoding
@@ -151,6 +158,7 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
@@ -171,14 +179,16 @@ class SamplingParams:
                f"must be in [-2, 2], got {self.frequency_penalty}")
         _check(self.seed is None or INT64_MIN <= self.seed <= INT64_MAX, "seed",
                f"must be a 64-bit signed integer, in [{INT64_MIN}, {INT64_MAX}], got {self.seed}")
-        _check(self.max_tokens is None or 1 <= self.max_tokens <= MAX_TOKENS, "max_tokens",
-               f"must be between 1 and {MAX_TOKENS}, got {self.max_tokens}")
+        _check(self.max_tokens is None or 0 <= self.max_tokens <= MAX_TOKENS, "max_tokens",
+               f"must be between 0 and {MAX_TOKENS}, got {self.max_tokens}")
         _check(0 <= self.min_tokens <= MAX_TOKENS, "min_tokens", f"must be between 0 and {MAX_TOKENS}, "
                f"got {self.min_tokens}")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
                f"must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
+               f"must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings, "
                f"got {len(self.stop)}")
@@ -192,6 +202,44 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @property
+    def prompt_only(self) -> bool:
+        """Nothing is generated: the prompt is computed (its logprobs, an embedding) and the request ends."""
+        return self.max_tokens == 0
+
+
+def _logit_bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
+    """A mapping or pairs of token id -> bias, checked, as (id, bias) pairs sorted by id."""
+    items = value.items() if isinstance(value, Mapping) else value
+    try:
+        pairs = [(token_id, bias) for token_id, bias in items]  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        raise ParameterError("logit_bias", "logit_bias must map token ids to biases") from None
+    for token_id, bias in pairs:
+        _check(isinstance(token_id, int) and not isinstance(token_id, bool) and 0 <= token_id <= MAX_TOP_K,
+               "logit_bias", f"keys must be token ids (non-negative integers), got {token_id!r}")
+        _check(isinstance(bias, int | float) and not isinstance(bias, bool) and math.isfinite(bias)
+               and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS, "logit_bias",
+               f"values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r} for token "
+               f"{token_id}")
+    _check(len(pairs) <= MAX_LOGIT_BIAS_TOKENS, "logit_bias",
+           f"may bias at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(pairs)}")
+    _check(len({t for t, _ in pairs}) == len(pairs), "logit_bias", "names a token id twice")
+    return tuple(sorted((t, float(b)) for t, b in pairs))
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """An embedding request: the prompt is computed (prefill only, no token generated) and its hidden states
+    pooled into one vector, by the engine's pooling method (the model's own, or `EngineConfig.pooling`)."""
+
+    normalize: bool = True  # unit length (L2), as OpenAI's embeddings are
+    dimensions: int | None = None  # keep the first `dimensions` values, then normalise (Matryoshka truncation)
+
+    def __post_init__(self) -> None:
+        _check(self.dimensions is None or (isinstance(self.dimensions, int) and self.dimensions >= 1),
+               "dimensions", f"must be a positive integer, got {self.dimensions!r}")
 
 
 def _check(ok: bool, param: str, message: str) -> None:
@@ -276,6 +324,10 @@ class RequestOutput:
     num_completion_tokens_reported: int | None = None
     tokens_source: str | None = None
     replica: str | None = None  # the fleet's replica that made it (None: a single engine)
+    # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing precedes it), else
+    # the token's own logprob followed by the top ones. Set in every output once the prompt is computed.
+    prompt_logprobs: list[list[Logprob] | None] | None = None
+    embedding: list[float] | None = None  # a PoolingParams request's vector, in its last output
 
     @property
     def finished(self) -> bool:

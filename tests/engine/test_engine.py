@@ -153,7 +153,7 @@ def test_abort_frees_blocks_at_once(engine) -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "param"), [
-    ({"max_tokens": -1}, "max_tokens"), ({"max_tokens": 0}, "max_tokens"), ({"top_p": 0.0}, "top_p"),
+    ({"max_tokens": -1}, "max_tokens"), ({"prompt_logprobs": -1}, "prompt_logprobs"), ({"top_p": 0.0}, "top_p"),
     ({"top_p": 1.5}, "top_p"), ({"temperature": -0.1}, "temperature"), ({"n": 0}, "n"),
     ({"top_k": -2}, "top_k"), ({"min_p": 2.0}, "min_p"), ({"logprobs": 50}, "logprobs"),
     ({"min_tokens": 10, "max_tokens": 5}, "min_tokens"), ({"repetition_penalty": 0.0}, "repetition_penalty"),

@@ -20,7 +20,7 @@ from tokenfactory.engine.async_engine import AsyncEngine
 from tokenfactory.engine.client import AddRequest, EngineDeadError, RequestError
 from tokenfactory.engine.engine import LLMEngine
 from tokenfactory.fleet.process import start_process_replica
-from tokenfactory.types import GrammarSpec, SamplingParams, StepStats
+from tokenfactory.types import GrammarSpec, PoolingParams, SamplingParams, StepStats
 
 pytestmark = pytest.mark.slow
 
@@ -127,6 +127,29 @@ def test_text_logprobs_and_stop_strings_equal_the_engines(client, config) -> Non
         assert [[(lp.token_id, round(lp.logprob, 4)) for lp in e] for e in got.logprobs or []] == \
             [[(lp.token_id, round(lp.logprob, 4)) for lp in e] for e in want.logprobs or []]
     assert expected[1].finish_reason == "stop"
+
+
+def test_embeddings_and_prompt_logprobs_equal_the_engines(client, config) -> None:
+    """The door's two prompt-reading kinds: an embedding (PoolingParams) and a prompt-only scoring request
+    (max_tokens 0, prompt logprobs), whose outputs cross the boundary whole."""
+    engine = LLMEngine(config)
+    params = [PoolingParams(dimensions=8), SamplingParams(max_tokens=0, prompt_logprobs=2),
+              SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=1)]
+    ids = [engine.add_request(PROMPTS[2], p) for p in params]
+    expected = engine.run_to_completion(ids)
+
+    async def main() -> list:
+        return await asyncio.gather(*[final(client, add(f"e{i}", PROMPTS[2], p)) for i, p in enumerate(params)])
+    outs = asyncio.run(main())
+    assert outs[0].embedding == pytest.approx(expected[ids[0]].embedding, abs=1e-5) and len(outs[0].embedding) == 8
+    for out, rid in zip(outs[1:], ids[1:], strict=True):
+        want = expected[rid]
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(PROMPTS[2])
+        for got_entry, want_entry in zip(out.prompt_logprobs[1:], want.prompt_logprobs[1:], strict=True):
+            assert [lp.token_id for lp in got_entry] == [lp.token_id for lp in want_entry]
+            assert [lp.logprob for lp in got_entry] == pytest.approx([lp.logprob for lp in want_entry], abs=1e-4)
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids
+    wait_idle(client)
 
 
 def test_leaving_early_aborts_and_frees_the_blocks(client) -> None:

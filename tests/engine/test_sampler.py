@@ -50,3 +50,39 @@ def test_top_k_top_p_min_p() -> None:
 def test_top_k_top_p_mask_keeps_at_least_one() -> None:
     out = apply_top_k_top_p(LOGITS.unsqueeze(0), [1], [0.01])
     assert torch.isfinite(out).sum() == 1 and out.argmax() == 0
+
+
+def test_logit_bias_is_a_logits_processor_before_the_grammars() -> None:
+    """logit_bias through the logits-processor seam (engine/logits.py): prepared only for batches that ask for
+    it, on the sampler's copy, its row's alone, and seen by a later processor (the grammar's mask) as biased."""
+    from tokenfactory.engine.logits import LogitBias
+    from tokenfactory.engine.sequence import Sequence
+    from tokenfactory.types import SamplingParams
+
+    def seq(i: int, **kw) -> Sequence:
+        return Sequence(f"s{i}", f"s{i}", 0, [1, 2], SamplingParams(temperature=0, **kw), 0.0)
+
+    seen: list[torch.Tensor] = []
+
+    class MaskAllBut3:  # a later stage, as a grammar's mask is
+        def prepare(self, seqs):
+            return self if any(s.params.logit_bias for s in seqs) else None
+
+        def apply(self, logits: torch.Tensor) -> None:
+            seen.append(logits.clone())
+            logits[0, [0, 1, 2, 4, 5]] = float("-inf")
+
+    sampler = Sampler(frozenset({5}), processors=[LogitBias(), MaskAllBut3()])
+    assert sampler.prepare([seq(0), seq(1)]).processed == ()
+    batch = sampler.prepare([seq(0, logit_bias={2: 10.0, 4: -100}), seq(1)])
+    assert len(batch.processed) == 2
+    logits = LOGITS.expand(2, -1).contiguous()
+    before = logits.clone()
+    assert [t.token_id for t in sampler.sample(logits, batch)] == [3, 0]
+    assert torch.equal(logits, before)  # the caller's logits are left as they were
+    assert seen[0][0, 2] == LOGITS[2] + 10 and seen[0][0, 4] == LOGITS[4] - 100 and torch.equal(seen[0][1], LOGITS)
+    # Bias alone: +100 forces a token under sampling, -100 all but bans the argmax under greedy.
+    only_bias = Sampler(frozenset(), processors=[LogitBias()])
+    forced = only_bias.prepare([Sequence("f", "f", 0, [1], SamplingParams(logit_bias={5: 100}), 0.0)])
+    assert {only_bias.sample(LOGITS[None], forced)[0].token_id for _ in range(50)} == {5}
+    assert only_bias.sample(LOGITS[None], only_bias.prepare([seq(0, logit_bias={0: -100})]))[0].token_id == 1

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from tokenfactory.types import ParameterError, RequestOutput, SamplingParams, StepStats
+from tokenfactory.types import ParameterError, PoolingParams, RequestOutput, SamplingParams, StepStats
 
 if TYPE_CHECKING:
     from tokenfactory.config import ModelConfig
@@ -42,10 +42,13 @@ StepListener = Callable[[StepStats], None]
 
 @dataclass(frozen=True)
 class AddRequest:
+    """A request of one of two kinds: generation (`SamplingParams`; `max_tokens=0` scores the prompt only) or an
+    embedding (`PoolingParams`: prefill only, its output carries `embedding`)."""
+
     request_id: str
     prompt_token_ids: list[int]
     prompt: str | None
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     arrival_time: float
     tenant: str
     priority: int
@@ -198,31 +201,49 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     # The machine profile the engine runs with (engine/tuning.py MachineProfile.summary), None when off.
     machine_profile: dict[str, Any] | None = None
+    pooling: str = "last"  # how embeddings pool the hidden states (types.POOLING_METHODS)
 
-    def check_prompt(self, token_ids: list[int]) -> None:
-        """Ids in the vocabulary, non-empty, and room for at least one generated token."""
+    @property
+    def embedding_size(self) -> int:
+        return self.config.hidden_size
+
+    def check_prompt(self, token_ids: list[int], generates: bool = True) -> None:
+        """Ids in the vocabulary, non-empty, and room for at least one generated token when `generates`."""
         self.check_token_ids(token_ids)
-        self.check_prompt_length(len(token_ids))
+        self.check_prompt_length(len(token_ids), generates)
 
     def check_token_ids(self, token_ids: list[int]) -> None:
         vocab = self.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
             raise ParameterError("prompt", f"prompt token ids must be integers in [0, {vocab})")
 
-    def check_prompt_length(self, num_prompt_tokens: int) -> None:
+    def check_prompt_length(self, num_prompt_tokens: int, generates: bool = True) -> None:
         if num_prompt_tokens == 0:
             raise ParameterError("prompt", "the prompt is empty: it needs at least one model token")
-        if num_prompt_tokens >= self.max_model_len:
+        if not generates and num_prompt_tokens > self.max_model_len:
+            raise ParameterError(
+                "prompt", f"the prompt has {num_prompt_tokens} model tokens but this model's context window "
+                f"(max_model_len) is {self.max_model_len} tokens; shorten the prompt")
+        if generates and num_prompt_tokens >= self.max_model_len:
             raise ParameterError(
                 "prompt", f"the prompt has {num_prompt_tokens} model tokens but this model's context window "
                 f"(max_model_len) is {self.max_model_len} tokens, which must also leave room for at least "
                 f"one generated token; shorten the prompt")
 
-    def check_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: values that depend on this model."""
+    def check_params(self, params: SamplingParams | PoolingParams) -> None:
+        """What the params cannot check alone: values that depend on this model."""
+        if isinstance(params, PoolingParams):
+            if params.dimensions is not None and params.dimensions > self.embedding_size:
+                raise ParameterError("dimensions", f"dimensions must be at most this model's embedding size, "
+                                     f"{self.embedding_size}, got {params.dimensions}")
+            return
         if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
             raise ParameterError("stop_token_ids", f"stop_token_ids must be token ids of this model, in "
                                  f"[0, {self.vocab_size})")
+        if any(not 0 <= t < self.vocab_size for t, _ in params.logit_bias):
+            bad = next(t for t, _ in params.logit_bias if not 0 <= t < self.vocab_size)
+            raise ParameterError("logit_bias", f"logit_bias keys must be token ids of this model, in "
+                                 f"[0, {self.vocab_size}), got {bad}")
 
 
 @dataclass(frozen=True)

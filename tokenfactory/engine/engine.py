@@ -28,9 +28,10 @@ from tokenfactory.engine.client import EngineStats, ModelInfo
 from tokenfactory.engine.faults import EngineFault, FaultIsolator, is_device_error
 from tokenfactory.engine.grammar import GrammarCompiler, Grammars
 from tokenfactory.engine.kv_cache import BlockManager
-from tokenfactory.engine.logits import GrammarMask
+from tokenfactory.engine.logits import GrammarMask, LogitBias
 from tokenfactory.engine.memory import KVCapacity, plan_kv_cache, resolve_device, resolve_dtype
-from tokenfactory.engine.model_runner import ModelRunner
+from tokenfactory.engine.model_runner import ModelRunner, StepResult
+from tokenfactory.engine.pooling import POOLERS, embedding_vector, resolve_pooling
 from tokenfactory.engine.sampler import SampledToken, Sampler
 from tokenfactory.engine.scheduler import POLICIES, Scheduler, SchedulerOutput, make_policy
 from tokenfactory.engine.sequence import Sequence, SequenceStatus
@@ -44,6 +45,7 @@ from tokenfactory.types import (
     FinishReason,
     Logprob,
     ParameterError,
+    PoolingParams,
     RequestMetrics,
     RequestOutput,
     SamplingParams,
@@ -54,6 +56,7 @@ from tokenfactory.types import (
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int] | dict[str, list[int]]
+PROMPT_ONLY = SamplingParams(max_tokens=0)  # how an embedding request's sequence runs: a prefill, nothing sampled
 
 
 @dataclass
@@ -78,6 +81,10 @@ class RequestState:
     texts: list[SeqText]
     metrics: RequestMetrics
     num_forced_tokens: int = 0  # output tokens its grammar forced (appended without a decode step)
+    pooling: PoolingParams | None = None  # an embedding request
+    pooled: torch.Tensor | None = None  # (h,) float32: the sum of its chunks' pooled shares so far
+    # SamplingParams.prompt_logprobs: one entry per prompt token, filled as its prefill chunks run.
+    prompt_logprobs: list[list[Logprob] | None] | None = None
 
 
 class LLMEngine:
@@ -97,7 +104,7 @@ class LLMEngine:
                                                  cache_size=config.grammar_cache_size),
                                  timeout_s=config.grammar_compile_timeout_s, jump_forward=config.jump_forward)
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed,
-                               processors=[GrammarMask(self.grammars, loaded.config.vocab_size)])
+                               processors=[LogitBias(), GrammarMask(self.grammars, loaded.config.vocab_size)])
         self.runner = ModelRunner(loaded.config, loaded.weights, device=self.device, dtype=self.dtype,
                                   num_blocks=None, block_size=config.block_size, max_model_len=None,
                                   sampler=self.sampler, quantization=config.quantization, raw_gguf=loaded.raw_gguf,
@@ -110,11 +117,12 @@ class LLMEngine:
         self.capacity: KVCapacity = plan_kv_cache(loaded.config, config, self.device, self.dtype)
         self.max_model_len = self.capacity.max_model_len
         self.runner.allocate_kv_cache(self.capacity.num_blocks, self.max_model_len)
+        self.pooling = resolve_pooling(config.pooling, loaded.pooling)
         self.info = ModelInfo(self.model_path, self.max_model_len, loaded.config.vocab_size, loaded.config,
                               device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
                               eos_token_ids=tuple(sorted(self.eos_token_ids)),
                               machine_profile=self.runner.machine_profile.summary() if self.runner.machine_profile
-                              else None)
+                              else None, pooling=self.pooling)
         self.kv = BlockManager(self.capacity.num_blocks, config.block_size, config.enable_prefix_caching,
                                sliding_window=loaded.config.kv_release_window)
         if config.scheduling_policy not in POLICIES:
@@ -138,6 +146,7 @@ class LLMEngine:
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         self._ids = itertools.count()
+        self.token_id_to_text: dict[int, str] = {}  # one token decoded alone (logprobs' `token`), memoised
         logger.info("model %s on %s (%s): %s", self.model_path, self.device, str(self.dtype).removeprefix("torch."),
                     self.capacity.describe())
 
@@ -154,28 +163,37 @@ class LLMEngine:
         self.info.check_token_ids(ids)
         return None, ids
 
-    def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
+    def add_request(self, prompt: Prompt, params: SamplingParams | PoolingParams, request_id: str | None = None,
                     arrival_time: float | None = None, tenant: str = "anonymous", priority: int = 0,
                     prompt_text: str | None = None) -> str:
-        """Validate and queue a request. Raises ParameterError (a ValueError) before allocating anything.
-        `prompt_text`: the text of a prompt given as token ids (what `echo` shows), if the caller has it."""
+        """Validate and queue a request: generation (SamplingParams) or an embedding (PoolingParams). Raises
+        ParameterError (a ValueError) before allocating anything. `prompt_text`: the text of a prompt given as
+        token ids (what `echo` shows), if the caller has it."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ParameterError("request_id", f"request id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
         text = text if text is not None else prompt_text
-        self.check_prompt_length(len(ids))
+        pooling = params if isinstance(params, PoolingParams) else None
+        sampling = PROMPT_ONLY if isinstance(params, PoolingParams) else params
+        self.check_prompt_length(len(ids), generates=not sampling.prompt_only)
         self.check_params(params)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
+        method = self.pooling if pooling is not None else None
         seqs: list[Sequence] = []
-        for i in range(params.n):
-            seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            seqs.append(Sequence(seq_id, request_id, i, ids, params, arrival, tenant=tenant, priority=priority,
-                                 wait_for=seqs[0] if seqs else None))
-        texts = [SeqText(self.tokenizer.decode_stream(params.skip_special_tokens)) for _ in seqs]
-        self.requests[request_id] = RequestState(request_id, text, ids, params, seqs, texts, RequestMetrics(arrival))
-        if params.grammar is not None:
-            self.grammars.submit(request_id, params.grammar)  # its sequences are scheduled once it is compiled
+        for i in range(sampling.n):
+            seq_id = request_id if sampling.n == 1 else f"{request_id}#{i}"
+            seq = Sequence(seq_id, request_id, i, ids, sampling, arrival, tenant=tenant, priority=priority,
+                           wait_for=seqs[0] if seqs else None, pooling=method)
+            seq.reads_every_position = seq.wants_prompt_logprobs or (
+                method is not None and POOLERS[method].needs_every_position)
+            seqs.append(seq)
+        texts = [SeqText(self.tokenizer.decode_stream(sampling.skip_special_tokens)) for _ in seqs]
+        self.requests[request_id] = RequestState(
+            request_id, text, ids, sampling, seqs, texts, RequestMetrics(arrival), pooling=pooling,
+            prompt_logprobs=[None] * len(ids) if sampling.prompt_logprobs is not None else None)
+        if sampling.grammar is not None:
+            self.grammars.submit(request_id, sampling.grammar)  # its sequences are scheduled once it is compiled
             for seq in seqs:
                 seq.status = SequenceStatus.COMPILING
             return request_id
@@ -183,8 +201,8 @@ class LLMEngine:
             self.scheduler.add(seq)
         return request_id
 
-    def check_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: values that depend on this model."""
+    def check_params(self, params: SamplingParams | PoolingParams) -> None:
+        """What the params cannot check alone: values that depend on this model."""
         self.info.check_params(params)
 
     @property
@@ -255,8 +273,8 @@ class LLMEngine:
         finally:
             self.kv.free(seq_id)
 
-    def check_prompt_length(self, num_prompt_tokens: int) -> None:
-        self.info.check_prompt_length(num_prompt_tokens)
+    def check_prompt_length(self, num_prompt_tokens: int, generates: bool = True) -> None:
+        self.info.check_prompt_length(num_prompt_tokens, generates)
 
     def abort_request(self, request_id: str) -> None:
         """Stop work on a request now; its KV blocks are freed before this returns."""
@@ -295,16 +313,17 @@ class LLMEngine:
             if self.grammars.num_active else 0
         if isolated is not None and sched.is_empty:
             self.faults.unschedulable(isolated)
-        results: list[tuple[Sequence, list[SampledToken]]] = []
+        step = StepResult([])
         if not sched.is_empty:
             try:
-                results = self.runner.run(self.runner.prepare(sched, self.kv.seq_to_block_ids))
+                step = self.runner.run(self.runner.prepare(sched, self.kv.seq_to_block_ids))
             except Exception as e:  # noqa: BLE001 - whose fault it is decides what happens
                 return failed + self._step_failed(sched, e)
-            self.faults.succeeded(isolated, {seq.request_id for seq, toks in results if toks})
+            done = {c.seq.request_id for c in sched.chunks if c.seq.prompt_only and c.samples}  # prompt computed
+            self.faults.succeeded(isolated, {seq.request_id for seq, toks in step.sampled if toks} | done)
         elif self.grammars.num_pending:
             self.grammars.wait(0.01)  # nothing to run until a grammar compiles: wait for it, do not spin
-        sampled = results
+        results = sampled = step.sampled
         ended: list[Sequence] = []
         if self.grammars.num_active:
             results, ended, failed_seqs = self._advance_grammars(results)
@@ -314,7 +333,7 @@ class LLMEngine:
         for seq in ended:
             self.scheduler.finish(seq, FinishReason.STOP)  # the grammar is complete: nothing but EOS could follow
         num_forced = sum(len(toks) for _, toks in results) - sum(len(toks) for _, toks in sampled)
-        outputs = self._process_outputs(sched, results, num_tokens_before)
+        outputs = self._process_outputs(sched, results, step, num_tokens_before)
         self._record_step(sched, start, self.scheduler.num_preemptions - preempted_before, num_constrained, num_forced)
         try:
             self.speculator.observe(sched, sampled, self.recent_steps[-1])
@@ -449,14 +468,16 @@ class LLMEngine:
                              error_param=param, num_forced_tokens=state.num_forced_tokens)
 
     def _process_outputs(self, sched: SchedulerOutput, results: list[tuple[Sequence, list[SampledToken]]],
-                         num_tokens_before: dict[str, int]) -> list[RequestOutput]:
+                         step: StepResult, num_tokens_before: dict[str, int]) -> list[RequestOutput]:
+        """`results`: each sequence's new tokens (sampled, and any its grammar forced after them); `step`: what
+        the run read from prompt rows."""
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
         for chunk in sched.chunks:
             state = self.requests.get(chunk.seq.request_id)
             if state is not None and state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = chunk.seq.first_scheduled_time
-        outputs = []
+        outputs = self._prompt_outputs(sched, step, touched, now)
         for seq, toks in results:
             state = self.requests.get(seq.request_id)
             if state is None:
@@ -492,6 +513,41 @@ class LLMEngine:
             outputs.append(out)
         return outputs
 
+    def _prompt_outputs(self, sched: SchedulerOutput, step: StepResult, touched: dict[str, RequestState],
+                        now: float) -> list[RequestOutput]:
+        """Take in what the step read from prompt rows (logprobs, pooled shares), and mark the prompt-only
+        requests whose prompt it finished as touched (they sample nothing, so nothing else would)."""
+        failed: list[RequestOutput] = []
+        for seq, position, rows in step.prompt_logprobs:
+            state = self.requests.get(seq.request_id)
+            if state is None or state.prompt_logprobs is None:
+                continue
+            try:  # position p's row scores prompt token p + 1; a chunk recomputed after a preemption keeps the first
+                for i, row in enumerate(rows, start=position + 1):
+                    if state.prompt_logprobs[i] is None:
+                        state.prompt_logprobs[i] = [Logprob(t, lp, self._token_text(t)) for t, lp in row]
+            except Exception as e:  # noqa: BLE001 - this request's alone
+                failed.append(self._fail_in_processing(state, e))
+        for seq, position, share in step.pooled:
+            if (state := self.requests.get(seq.request_id)) is not None:
+                # A chunk from position 0 starts the sum (again, after a preemption recomputed the prompt).
+                state.pooled = share if position == 0 or state.pooled is None else state.pooled + share
+        for chunk in sched.chunks:
+            seq = chunk.seq
+            if seq.prompt_only and seq.is_finished and (state := self.requests.get(seq.request_id)) is not None:
+                self.num_prompt_tokens_total += seq.num_prompt_tokens
+                if state.metrics.first_token_time is None:  # its first (and last) output
+                    state.metrics.first_token_time = now
+                state.metrics.last_token_time = now
+                touched[state.request_id] = state
+        return failed
+
+    def _token_text(self, token_id: int) -> str:
+        text = self.token_id_to_text.get(token_id)
+        if text is None:
+            text = self.token_id_to_text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
     def _fail_in_processing(self, state: RequestState, e: Exception) -> RequestOutput:
         logger.error("request %s failed in output processing: %s: %s", state.request_id, type(e).__name__, e,
                      exc_info=e)
@@ -509,8 +565,7 @@ class LLMEngine:
             self.num_prompt_tokens_total += seq.num_prompt_tokens
         piece = st.stream.step(tok.token_id)  # type: ignore[attr-defined]
         if tok.logprobs is not None:
-            st.logprobs.append([Logprob(t, lp, self.tokenizer.decode([t], skip_special_tokens=False))
-                                for t, lp in tok.logprobs])
+            st.logprobs.append([Logprob(t, lp, self._token_text(t)) for t, lp in tok.logprobs])
         if piece:
             st.text += piece
         is_last = num_tokens == seq.num_tokens
@@ -550,9 +605,13 @@ class LLMEngine:
                 token_ids_delta=out_ids[st.num_sent_tokens:],
                 logprobs_delta=None if logprobs is None else logprobs[st.num_sent_logprobs:]))
             st.num_sent_chars, st.num_sent_tokens, st.num_sent_logprobs = visible, len(out_ids), len(st.logprobs)
+        embedding = None
+        if state.pooling is not None and state.pooled is not None and state.seqs[0].is_finished:
+            embedding = embedding_vector(state.pooled, self.pooling, len(state.prompt_token_ids), state.pooling)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
                              num_cached_tokens=state.seqs[0].num_cached_tokens, metrics=state.metrics,
-                             num_forced_tokens=state.num_forced_tokens)
+                             num_forced_tokens=state.num_forced_tokens, prompt_logprobs=state.prompt_logprobs,
+                             embedding=embedding)
 
     def _record_step(self, sched: SchedulerOutput, start: float, num_preemptions: int, num_constrained: int = 0,
                      num_forced: int = 0) -> None:

@@ -7,6 +7,8 @@ it returns None when no row of this batch needs it, so an unconstrained batch pa
 
     LogitsProcessor.prepare(seqs) -> PreparedLogits | None      host: gather what the rows need
     PreparedLogits.apply(logits)                                 in place on logits (S, V) float32
+
+The engine's processors, in order: `LogitBias` (OpenAI's logit_bias), then `GrammarMask`.
 """
 
 from __future__ import annotations
@@ -43,6 +45,27 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     num_rows, vocab = logits.shape
     bias = torch.nn.functional.embedding(bitmask.view(torch.uint8).int(), _BYTE_TO_BIAS.to(logits.device))
     logits.add_(bias.view(num_rows, -1)[:, :vocab])  # (S, 4W, 8) -> (S, 32W) -> (S, V)
+
+
+class LogitBias:
+    """OpenAI's logit_bias: each listed token's bias added to its logit (-100 all but bans it, +100 all but forces
+    it), before logprobs and temperature as OpenAI and vLLM apply it, and before the grammar's mask (which wins)."""
+
+    def prepare(self, seqs: list[Sequence]) -> PreparedLogits | None:
+        entries = [(row, t, b) for row, seq in enumerate(seqs) for t, b in seq.params.logit_bias]
+        if not entries:
+            return None
+        rows, ids, biases = zip(*entries, strict=True)
+        return _Biases(torch.tensor(rows), torch.tensor(ids), torch.tensor(biases, dtype=torch.float32))
+
+
+class _Biases:
+    def __init__(self, rows: torch.Tensor, token_ids: torch.Tensor, biases: torch.Tensor) -> None:
+        self.rows, self.token_ids, self.biases = rows, token_ids, biases  # (N,) each: one entry per biased token
+
+    def apply(self, logits: torch.Tensor) -> None:
+        dev = logits.device
+        logits.index_put_((self.rows.to(dev), self.token_ids.to(dev)), self.biases.to(dev), accumulate=True)
 
 
 class GrammarMask:

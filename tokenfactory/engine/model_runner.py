@@ -1,21 +1,24 @@
 """The only owner of tensors: the model's weights, the KV cache, and each step's inputs.
 
-`prepare(scheduler_output) -> ModelInputs` builds the flat batch on the host; `run(inputs)` does the
-device work and returns the new tokens of each sequence that reached the end of its tokens: one sampled
-token, or, for a chunk carrying speculative draft tokens, the accepted drafts and one more (logits are
-computed at every position of such a chunk and the sampler verifies them).
+`prepare(scheduler_output) -> ModelInputs` builds the flat batch on the host; `run(inputs) -> StepResult`
+does the device work and returns the new tokens of each sequence that reached the end of its tokens: one
+sampled token, or, for a chunk carrying speculative draft tokens, the accepted drafts and one more (logits
+are computed at every position of such a chunk and the sampler verifies them). Beside the tokens, a step
+returns what requests read from their prompt rows (`PromptSpan`): prompt logprobs, and embeddings' pooled
+shares (engine/pooling.py); a prompt-only sequence's last chunk samples nothing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from tokenfactory.config import ModelConfig
 from tokenfactory.engine import tuning
 from tokenfactory.engine.placement import place_model
+from tokenfactory.engine.pooling import POOLERS
 from tokenfactory.engine.sampler import SampledToken, Sampler, SamplingBatch
 from tokenfactory.engine.scheduler import SchedulerOutput
 from tokenfactory.engine.sequence import Draft, Sequence
@@ -30,6 +33,33 @@ from tokenfactory.models.llama import LlamaForCausalLM
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+# Prompt logprobs take the logits of every scored row: at most this many rows' (rows, V) float32 at a time.
+PROMPT_LOGPROB_ROWS = 256
+
+
+@dataclass(frozen=True)
+class PromptSpan:
+    """Rows of the flat batch at prompt positions whose outputs the sequence reads itself."""
+
+    seq: Sequence
+    row: int  # first row in the flat batch
+    position: int  # that row's position in the sequence
+    num_rows: int  # all at prompt positions
+    num_logprobs: int | None  # prompt logprobs wanted: the top ones beside each token's own (None: not wanted)
+    pooling: str | None  # an embedding's pooling method (None: not an embedding)
+
+
+@dataclass
+class StepResult:
+    """What a step made: sampled tokens per sequence, and what prompt spans read (in span order)."""
+
+    sampled: list[tuple[Sequence, list[SampledToken]]]
+    # (sequence, position p of the first scored row, per row: token p + 1's logprob then the top ones)
+    prompt_logprobs: list[tuple[Sequence, int, list[list[tuple[int, float]]]]] = field(default_factory=list)
+    # (sequence, position of the chunk's first row, the chunk's pooled share (h,) float32)
+    pooled: list[tuple[Sequence, int, torch.Tensor]] = field(default_factory=list)
+
+
 @dataclass(frozen=True)
 class ModelInputs:
     input_ids: torch.Tensor  # (T,)
@@ -42,6 +72,7 @@ class ModelInputs:
     verify_rows: torch.Tensor | None = None  # (R,)
     verify_seqs: tuple[tuple[Sequence, Draft], ...] = ()
     verify_sampling: SamplingBatch | None = None  # one row per verified position (a sequence repeated)
+    prompt_spans: tuple[PromptSpan, ...] = ()
 
 
 def allocate_kv_pool(shape: tuple[int, ...], num_layers: int, fmt: KVFormat,
@@ -141,6 +172,7 @@ class ModelRunner:
         spans: list[PrefillSpan] = []
         verify_rows: list[int] = []
         verify_seqs: list[tuple[Sequence, Draft]] = []
+        prompt_spans: list[PromptSpan] = []
         bs = self.block_size
         for chunk in sorted(out.chunks, key=lambda c: c.num_new_tokens > 1 and c.draft is None):
             seq, ctx, n = chunk.seq, chunk.num_context_tokens, chunk.num_new_tokens
@@ -164,9 +196,13 @@ class ModelRunner:
                 decode_starts.append(decode_starts[-1] + n)
             else:
                 spans.append(PrefillSpan(start, n, ctx, table_t.to(self.device)))
-            if chunk.samples and chunk.draft is None:
+            if chunk.samples and chunk.draft is None and not seq.prompt_only:
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(seq)
+            num_prompt_rows = min(n, seq.num_prompt_tokens - ctx)
+            if (seq.wants_prompt_logprobs or seq.pooling is not None) and num_prompt_rows > 0:
+                prompt_spans.append(PromptSpan(seq, start, ctx, num_prompt_rows, seq.params.prompt_logprobs
+                                               if seq.wants_prompt_logprobs else None, seq.pooling))
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slots).to(self.device),
             num_decode_tokens=decode_starts[-1],
@@ -184,7 +220,8 @@ class ModelRunner:
             verify_rows=torch.tensor(verify_rows, dtype=torch.long, device=self.device) if verify_rows else None,
             verify_seqs=tuple(verify_seqs),
             verify_sampling=self.sampler.prepare(
-                [seq for seq, d in verify_seqs for _ in range(len(d.token_ids) + 1)]) if verify_seqs else None)
+                [seq for seq, d in verify_seqs for _ in range(len(d.token_ids) + 1)]) if verify_seqs else None,
+            prompt_spans=tuple(prompt_spans))
 
     def _long(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
@@ -196,19 +233,48 @@ class ModelRunner:
         return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
-    def run(self, inputs: ModelInputs) -> list[tuple[Sequence, list[SampledToken]]]:
+    def run(self, inputs: ModelInputs) -> StepResult:
         self._choose_threads(inputs.input_ids.shape[0])
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)  # (T, h)
-        results: list[tuple[Sequence, list[SampledToken]]] = []
+        result = StepResult([])
         if inputs.sampling is not None:
             logits = self.model.compute_logits(hidden[inputs.sample_rows])  # (S, V)
             tokens = self.sampler.sample(logits, inputs.sampling)
-            results.extend((seq, [tok]) for seq, tok in zip(inputs.sample_seqs, tokens, strict=True))
+            result.sampled.extend((seq, [tok]) for seq, tok in zip(inputs.sample_seqs, tokens, strict=True))
         if inputs.verify_sampling is not None:
             logits = self.model.compute_logits(hidden[inputs.verify_rows])  # (R, V)
             accepted = self.sampler.verify(logits, inputs.verify_sampling, [d for _, d in inputs.verify_seqs])
-            results.extend((seq, toks) for (seq, _), toks in zip(inputs.verify_seqs, accepted, strict=True))
-        return results
+            result.sampled.extend((seq, toks) for (seq, _), toks in zip(inputs.verify_seqs, accepted, strict=True))
+        for span in inputs.prompt_spans:
+            rows = hidden[span.row:span.row + span.num_rows]  # (n, h)
+            if span.num_logprobs is not None:
+                result.prompt_logprobs.append((span.seq, span.position, self._prompt_logprobs(rows, span)))
+            if span.pooling is not None:
+                reaches_end = span.position + span.num_rows == span.seq.num_prompt_tokens
+                share = POOLERS[span.pooling].chunk(self.model.final_norm(rows).float(), reaches_end)
+                if share is not None:
+                    result.pooled.append((span.seq, span.position, share))
+        return result
+
+    def _prompt_logprobs(self, rows: torch.Tensor, span: PromptSpan) -> list[list[tuple[int, float]]]:
+        """rows (n, h) at positions p..p+n-1 -> per row that has a next prompt token: that token's logprob,
+        then the top `span.num_logprobs` (the model's own distribution: no sampling parameter applies)."""
+        prompt = span.seq.prompt_token_ids
+        num_scored = min(span.num_rows, len(prompt) - 1 - span.position)
+        targets = torch.tensor(prompt[span.position + 1:span.position + 1 + num_scored], device=rows.device)
+        k = span.num_logprobs or 0
+        out: list[list[tuple[int, float]]] = []
+        for i in range(0, num_scored, PROMPT_LOGPROB_ROWS):
+            logprobs = self.model.compute_logits(rows[i:i + PROMPT_LOGPROB_ROWS][:num_scored - i]).log_softmax(-1)
+            target = targets[i:i + PROMPT_LOGPROB_ROWS]
+            chosen = logprobs.gather(1, target[:, None])[:, 0].tolist()  # (s,)
+            top_ids, top_values = [[]] * len(chosen), [[]] * len(chosen)
+            if k:
+                values, ids = logprobs.topk(k, dim=-1)  # (s, k)
+                top_ids, top_values = ids.tolist(), values.tolist()
+            for t, lp, tids, tvals in zip(target.tolist(), chosen, top_ids, top_values, strict=True):
+                out.append([(t, lp), *zip(tids, tvals, strict=True)])
+        return out
 
     @torch.inference_mode()
     def zero_kv_blocks(self, block_ids: list[int]) -> None:

@@ -2,7 +2,7 @@
 tensor work. Every sequence has its own torch.Generator, so a seeded request produces the same tokens
 whatever else shares its batch.
 
-Order of operations per row (as in vLLM): penalties -> logits processors (engine/logits.py: the grammar's
+Order of operations per row (as in vLLM): penalties -> logits processors (engine/logits.py: logit_bias, the grammar's
 mask, in their order) -> min_tokens mask -> (logprobs taken here) -> temperature -> top-k -> top-p -> min-p ->
 sample. Greedy rows take the argmax after all masks. A token no processor allows has logprob -inf, reported
 as -9999.0 (OpenAI's number for it: JSON has no infinity).

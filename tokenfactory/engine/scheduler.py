@@ -281,7 +281,7 @@ class Scheduler:
                     leader.num_computed_tokens < leader.num_prompt_tokens:
                 continue  # admitted once its sibling's prompt blocks are cached
             prefix = PrefixHit([])
-            if seq.num_computed_tokens == 0:
+            if seq.num_computed_tokens == 0 and not seq.reads_every_position:
                 prefix = self.kv.find_prefix(seq.token_ids)
             num_context = prefix.num_tokens(self.kv.block_size)
             num_new = min(seq.num_tokens - num_context, budget)
@@ -348,6 +348,10 @@ class Scheduler:
                     break
             self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, min(seq.num_computed_tokens, seq.num_tokens))
             self.kv.release_outside_window(seq.seq_id, seq.num_computed_tokens)
+            if seq.prompt_only and seq.num_computed_tokens >= seq.num_tokens:
+                # Its prompt is computed and nothing is sampled: done, its blocks freed now (their hashes stay
+                # in the prefix cache for the next request with the same prefix).
+                reason = FinishReason.STOP if seq.pooling is not None else FinishReason.LENGTH
             if reason is not None:
                 self.finish(seq, reason)
             elif num_rejected:

@@ -57,6 +57,10 @@ class Sequence:
     first_scheduled_time: float | None = None
     tenant: str = "anonymous"
     priority: int = 0
+    pooling: str | None = None  # an embedding request's pooling method (engine/pooling.py); None: generation
+    # Its prompt's outputs are read at every position (prompt logprobs, mean pooling): the scheduler computes
+    # the whole prompt rather than take cached prefix blocks, whose KV it has but not their logits or states.
+    reads_every_position: bool = False
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -81,6 +85,15 @@ class Sequence:
     @property
     def is_prefill(self) -> bool:
         return self.num_tokens - self.num_computed_tokens > 1
+
+    @property
+    def prompt_only(self) -> bool:
+        """Nothing is sampled: the sequence ends when its prompt is computed (embeddings, max_tokens=0)."""
+        return self.params.max_tokens == 0
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None and self.index == 0  # the n siblings share one prompt
 
     @property
     def is_finished(self) -> bool:

@@ -102,11 +102,13 @@ def compact_output(out: RequestOutput, first: bool) -> RequestOutput:
     """What crosses the process boundary: the deltas, not the whole state again every step (a step of 32
     sequences at 130 + 128 tokens pickles 38 kB whole; the lists grow with every token). The prompt goes with
     a request's first output, the full text with its last (text held back for a stop string is in neither
-    delta); the receiver rebuilds the rest from the deltas (fleet/remote.py)."""
+    delta), prompt logprobs with the first too (they are complete by then); the receiver rebuilds the rest from the
+    deltas (fleet/remote.py)."""
     outputs = [dataclasses.replace(c, text=c.text if c.finished else "", token_ids=[], logprobs=None)
                for c in out.outputs]
     return dataclasses.replace(out, outputs=outputs, prompt=out.prompt if first else None,
-                               prompt_token_ids=out.prompt_token_ids if first else [])
+                               prompt_token_ids=out.prompt_token_ids if first else [],
+                               prompt_logprobs=out.prompt_logprobs if first else None)
 
 
 def serve_worker(engine: LLMEngine, recv: Callable[[float | None], list[Message]],

@@ -46,7 +46,14 @@ from tokenfactory.engine.client import (
     ModelInfo,
     RequestError,
 )
-from tokenfactory.types import CompletionOutput, FinishReason, RequestMetrics, RequestOutput, SamplingParams
+from tokenfactory.types import (
+    CompletionOutput,
+    FinishReason,
+    PoolingParams,
+    RequestMetrics,
+    RequestOutput,
+    SamplingParams,
+)
 
 if TYPE_CHECKING:
     from tokenfactory.models.tokenizer import Tokenizer
@@ -130,7 +137,18 @@ def completion_body(model: str, request: AddRequest) -> dict[str, Any]:
              "repetition_penalty": p.repetition_penalty if p.repetition_penalty != 1.0 else None,
              "stop_token_ids": list(p.stop_token_ids) or None, "ignore_eos": p.ignore_eos or None}
     body.update({k: v for k, v in extra.items() if v is not None})
+    if p.logit_bias:
+        body["logit_bias"] = {str(t): b for t, b in p.logit_bias}  # OpenAI's shape: token ids as strings
     return body
+
+
+def unsupported(request: AddRequest) -> str | None:
+    """What this client cannot forward (it reads only generated text back), in words; None: all of it."""
+    if isinstance(request.params, PoolingParams):
+        return "embeddings are not served through an external backend replica"
+    if request.params.prompt_logprobs is not None or request.params.prompt_only:
+        return "prompt logprobs and max_tokens 0 are not served through an external backend replica"
+    return None
 
 
 class HTTPBackend(ClientBase):
@@ -194,6 +212,8 @@ class HTTPBackend(ClientBase):
     async def _generate(self, request: AddRequest) -> AsyncIterator[RequestOutput]:
         if self._dead_reason is not None:
             raise EngineDeadError(self._dead_reason)
+        if (reason := unsupported(request)) is not None:
+            raise RequestError(reason)
         http = self._client()
         metrics = RequestMetrics(arrival_time=request.arrival_time, first_scheduled_time=time.monotonic())
         state = _Accumulated(request, self._tokenizer, metrics, self.name, self._info.max_model_len)

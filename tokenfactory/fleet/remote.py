@@ -70,6 +70,7 @@ class _Whole:
 
     prompt: str | None
     prompt_token_ids: list[int]
+    prompt_logprobs: list | None = None  # sent with the first output
     index_to_ids: dict[int, list[int]] = field(default_factory=dict)
     index_to_text: dict[int, str] = field(default_factory=dict)
     index_to_logprobs: dict[int, list] = field(default_factory=dict)
@@ -87,7 +88,8 @@ class _Whole:
                 logprobs.extend(c.logprobs_delta)
                 logprobs = list(logprobs)
             outputs.append(dataclasses.replace(c, text=text, token_ids=list(ids), logprobs=logprobs))
-        return dataclasses.replace(out, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids, outputs=outputs)
+        return dataclasses.replace(out, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids, outputs=outputs,
+                                   prompt_logprobs=self.prompt_logprobs)
 
 
 class RemoteEngine(ClientBase):
@@ -200,7 +202,8 @@ class RemoteEngine(ClientBase):
         for compact in batch.outputs:
             whole = self._wholes.get(compact.request_id)
             if whole is None:
-                whole = self._wholes[compact.request_id] = _Whole(compact.prompt, compact.prompt_token_ids)
+                whole = self._wholes[compact.request_id] = _Whole(compact.prompt, compact.prompt_token_ids,
+                                                                  compact.prompt_logprobs)
             out = whole.rebuild(compact)
             if out.finished:
                 del self._wholes[out.request_id]

@@ -32,6 +32,9 @@ class LoadedModel:
     # apply_quantization's "auto" scheme: a `tokenfactory quantize` file's int8/int4 (a dict), or a GPTQ / AWQ /
     # compressed-tensors folder's (models/hf_quant.py, read lazily). None for every other format.
     quantized: Mapping[str, QuantizedWeight] | None = None
+    # How the model pools hidden states into an embedding, where its files say ("last" | "mean"; a
+    # sentence-transformers folder's Pooling module, GGUF's `<arch>.pooling_type`); None: they say nothing.
+    pooling: str | None = None
 
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -247,7 +247,18 @@ def load_gguf(path: Path) -> LoadedModel:
                         config, path, shown)
     weights, raw = gguf_weights(gguf_file, hf_to_gguf, config, arch)
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, path=path, format="gguf",
-                       raw_gguf=raw)
+                       raw_gguf=raw, pooling=gguf_pooling(gguf_file))
+
+
+# llama.cpp's enum llama_pooling_type (include/llama.h), as `<arch>.pooling_type` stores it: 1 mean, 3 last
+# (0 none, 2 cls and 4 rank have no equivalent here).
+GGUF_POOLING_TYPES = {1: "mean", 3: "last"}
+
+
+def gguf_pooling(gguf_file: GGUFFile) -> str | None:
+    """The file's embedding pooling, if it names one we have."""
+    value = _ArchKeys(gguf_file).get("pooling_type", None)
+    return GGUF_POOLING_TYPES.get(value) if isinstance(value, int) else None
 
 
 def gguf_architecture(gguf_file: GGUFFile) -> GGUFArchitecture:

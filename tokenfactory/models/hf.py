@@ -64,10 +64,12 @@ def load_hf_folder(folder: Path) -> LoadedModel:
     check_weight_shapes(name_to_shape, config, folder)
     plain = SafetensorsWeights({n: name_to_file[n] for n in name_to_shape if quantized is None or n not in quantized})
     if quantized is None:
-        return LoadedModel(config=config, weights=plain, tokenizer=tokenizer, path=folder, format="hf")
+        return LoadedModel(config=config, weights=plain, tokenizer=tokenizer, path=folder, format="hf",
+                           pooling=sentence_transformers_pooling(folder))
     check_fusable(quantized, config)
     return LoadedModel(config=config, weights=DequantizedWeights(plain, quantized), tokenizer=tokenizer, path=folder,
-                       format=quantized.format.method, quantized=quantized)
+                       format=quantized.format.method, quantized=quantized,
+                       pooling=sentence_transformers_pooling(folder))
 
 
 def _quantization_config(folder: Path, config_json: Mapping[str, object]) -> Mapping[str, object] | None:
@@ -77,6 +79,26 @@ def _quantization_config(folder: Path, config_json: Mapping[str, object]) -> Map
     if (folder / "quantize_config.json").is_file():
         return {"quant_method": "gptq"} | read_json(folder / "quantize_config.json")
     return None
+
+
+# sentence-transformers' Pooling module config (sentence_transformers/models/Pooling.py): its mode flags.
+_ST_POOLING_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean"}
+
+
+def sentence_transformers_pooling(folder: Path) -> str | None:
+    """The pooling a sentence-transformers folder declares (modules.json -> its Pooling module's config.json),
+    if it is one we have; None for a plain model folder."""
+    modules_file = folder / "modules.json"
+    if not modules_file.is_file():
+        return None
+    try:
+        modules = json.loads(modules_file.read_text(encoding="utf-8"))
+        pooling = next(m for m in modules if str(m.get("type", "")).endswith("models.Pooling"))
+        settings = read_json(folder / str(pooling.get("path", "")) / "config.json")
+    except (OSError, ValueError, StopIteration, AttributeError, TypeError):
+        return None  # no readable Pooling module: the engine's default applies
+    chosen = [method for flag, method in _ST_POOLING_MODES.items() if settings.get(flag) is True]
+    return chosen[0] if len(chosen) == 1 else None
 
 
 class SafetensorsWeights(Mapping[str, torch.Tensor]):

@@ -76,9 +76,13 @@ class LlamaForCausalLM(nn.Module):
             x, delta = layer(x, delta, rope, kv, meta)
         return x if delta is None else x + delta
 
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (S, h) from `forward` -> the last hidden states (S, h) (Hugging Face's `last_hidden_state`)."""
+        return rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (S, h) of the rows that sample -> logits (S, V) in float32."""
-        return self.lm_head(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)).float()
+        return self.lm_head(self.final_norm(hidden)).float()
 
     @torch.no_grad()
     def load_hf_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
