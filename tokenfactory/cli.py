@@ -12,6 +12,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "tokenfactory.serve.cli",  # serve
     "tokenfactory.meter.cli",  # usage
     "tokenfactory.planner.cli",  # plan, doctor
+    "tokenfactory.planner.tokens_cli",  # tokens
     "tokenfactory.bench.cli",  # bench offline | serve | sweep | compare | report
     "tokenfactory.tenants.cli",  # tenants add|list|update|remove, keys create|list|revoke
     "tokenfactory.quality.cli",  # quantize, eval

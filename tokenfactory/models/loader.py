@@ -19,8 +19,12 @@ import re
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenfactory.models.base import LoadedModel
+
+if TYPE_CHECKING:
+    from tokenfactory.models.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +69,27 @@ def load_model(path: str | Path | None = None) -> LoadedModel:
                 loaded.config.architecture, loaded.config.num_layers, loaded.config.num_params / 1e6,
                 time.perf_counter() - start)
     return loaded
+
+
+def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
+    """The tokenizer of a model, without its weights (`tokenfactory tokens`): a GGUF file's metadata, an HF
+    folder's tokenizer files, a quantized file's metadata; None: the bundled model's."""
+    resolved = bundled_model_path() if path is None else Path(path).expanduser()
+    if not resolved.exists():
+        raise FileNotFoundError(f"model path {str(resolved)!r} does not exist; pass a .gguf file or a "
+                                f"Hugging Face folder with config.json and tokenizer files")
+    model_format = detect_format(resolved)
+    if model_format == "gguf":
+        from tokenfactory.models.gguf import gguf_tokenizer, read_gguf
+
+        return gguf_tokenizer(read_gguf(resolved))
+    if model_format == "hf":
+        from tokenfactory.models.hf import hf_tokenizer, read_json
+
+        return hf_tokenizer(resolved, read_json(resolved / "config.json"))
+    from tokenfactory.models.quant_file import read_safetensors_metadata, tokenizer_from_metadata
+
+    return tokenizer_from_metadata(read_safetensors_metadata(resolved) or {}, resolved)
 
 
 def served_name(model_path: str, explicit: str | None) -> str:

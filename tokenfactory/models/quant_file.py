@@ -164,11 +164,11 @@ def load_quantized_file(path: Path) -> LoadedModel:
         if name != "lm_head.weight" or not config.tie_word_embeddings:
             weights[name] = w.dequantize()
     check_weight_shapes({n: tuple(t.shape) for n, t in weights.items()}, config, path)
-    return LoadedModel(config=config, weights=weights, tokenizer=_tokenizer(meta, path), path=path,
+    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer_from_metadata(meta, path), path=path,
                        format="quantized", quantized=quantized)
 
 
-def _tokenizer(meta: dict[str, str], path: Path) -> Tokenizer:
+def tokenizer_from_metadata(meta: dict[str, str], path: Path) -> Tokenizer:
     options = json.loads(meta["tokenizer_options"])
     eos = options["eos_token_ids"]
     return Tokenizer(tokenizers.Tokenizer.from_str(meta["tokenizer"]), bos_token_id=options["bos_token_id"],
