@@ -1,10 +1,10 @@
 """tokenfactory: from every watt to every token."""
 
-from tokenfactory.types import FinishReason, PoolingParams, RequestOutput, SamplingParams
+from tokenfactory.types import FinishReason, GrammarSpec, PoolingParams, RequestOutput, SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "FinishReason", "PoolingParams", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "FinishReason", "GrammarSpec", "PoolingParams", "RequestOutput", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str) -> object:

@@ -40,6 +40,7 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"  # max_tokens reached, or the context window is full
     ABORT = "abort"  # the client went away or the caller aborted
     ERROR = "error"  # the engine failed while serving this request (RequestOutput.error says why)
+    TOOL_CALLS = "tool_calls"  # the answer is tool calls (the request service parses them; never the engine)
 
     def __str__(self) -> str:
         return self.value

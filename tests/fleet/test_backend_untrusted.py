@@ -189,3 +189,20 @@ def test_credentials_are_sent_but_never_shown(hostile: str, tmp_path: Path, monk
     time.sleep(0.4)
     assert keyed.is_alive  # the bearer key reached /health
     keyed.shutdown()
+
+
+def test_a_constraint_goes_to_a_backend_as_vllms_fields() -> None:
+    """A backend engine enforces the grammar itself: our GrammarSpec becomes vLLM's (and SGLang's) guided_* fields."""
+    from tokenfactory.fleet.backend import completion_body
+    from tokenfactory.types import GrammarSpec
+
+    def body(spec: GrammarSpec) -> dict:
+        return completion_body("m", AddRequest("r", [1, 2], None, SamplingParams(grammar=spec), 0.0, "t", 1))
+
+    assert body(GrammarSpec.json_schema({"type": "integer"}))["guided_json"] == {"type": "integer"}
+    assert body(GrammarSpec.json_object())["guided_json"] == {"type": "object"}
+    assert body(GrammarSpec.regex("a+"))["guided_regex"] == "a+"
+    assert body(GrammarSpec.choice(["x", "y"]))["guided_choice"] == ["x", "y"]
+    assert body(GrammarSpec.grammar('start: "a"'))["guided_grammar"] == 'start: "a"'
+    assert not any(k.startswith("guided_") for k in completion_body(
+        "m", AddRequest("r", [1], None, SamplingParams(), 0.0, "t", 1)))

@@ -3,6 +3,8 @@
     python -m tokenfactory.bench.grammar libraries   xgrammar vs llguidance on our vocabulary (grammar_libs.py)
     python -m tokenfactory.bench.grammar offline     the engine with and without a schema, forced tokens,
                                                      compile times (grammar_engine.py)
+    python -m tokenfactory.bench.grammar served      the server at 1/8/32 clients with and without a schema
+                                                     (grammar_served.py; starts one unless --url)
 """
 
 from __future__ import annotations
@@ -82,6 +84,17 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def run_served(args: argparse.Namespace) -> dict[str, Any]:
+    from tokenfactory.bench import grammar_served
+
+    out: dict[str, Any] = {"bench": "grammar-served", "machine": machine(), "rounds": args.rounds,
+                           "requests_per_level": args.requests, "max_tokens": args.max_tokens,
+                           "temperature": args.temperature}
+    out.update(grammar_served.run(args))
+    out["loadavg_1m_at_end"] = os.getloadavg()[0]
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m tokenfactory.bench.grammar", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -107,9 +120,20 @@ def main(argv: list[str] | None = None) -> None:
     off.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     off.add_argument("--machine-profile", default="auto")
     off.add_argument("--out", default="results/bench-grammar-offline.json")
+    srv = sub.add_parser("served", help="the server at 1/8/32 clients with and without a schema")
+    srv.add_argument("--url", default=None, help="a running server (default: start one here)")
+    srv.add_argument("--server-args", default="--power-source auto --max-num-seqs 32",
+                     help="flags for the server started here")
+    srv.add_argument("--served-model", default=None, help="the `model` to send (default: the server's default)")
+    srv.add_argument("--clients", type=lambda v: [int(x) for x in v.split(",")], default=[1, 8, 32])
+    srv.add_argument("--requests", type=int, default=32, help="requests per level, split over its clients")
+    srv.add_argument("--rounds", type=int, default=2)
+    srv.add_argument("--max-tokens", type=int, default=256)
+    srv.add_argument("--temperature", type=float, default=0.7)
+    srv.add_argument("--out", default="results/bench-grammar-served.json")
     args = p.parse_args(argv)
     started = time.time()
-    result = {"libraries": run_libraries, "offline": run_offline}[args.part](args)
+    result = {"libraries": run_libraries, "offline": run_offline, "served": run_served}[args.part](args)
     result["wall_s"] = time.time() - started
     text = json.dumps(result, indent=2)
     if args.out == "-":

@@ -49,6 +49,8 @@ from tokenfactory.engine.client import (
 from tokenfactory.types import (
     CompletionOutput,
     FinishReason,
+    GrammarKind,
+    GrammarSpec,
     PoolingParams,
     RequestMetrics,
     RequestOutput,
@@ -139,6 +141,8 @@ def completion_body(model: str, request: AddRequest) -> dict[str, Any]:
     body.update({k: v for k, v in extra.items() if v is not None})
     if p.logit_bias:
         body["logit_bias"] = {str(t): b for t, b in p.logit_bias}  # OpenAI's shape: token ids as strings
+    if p.grammar is not None:
+        body.update(guided_fields(p.grammar))
     return body
 
 
@@ -149,6 +153,20 @@ def unsupported(request: AddRequest) -> str | None:
     if request.params.prompt_logprobs is not None or request.params.prompt_only:
         return "prompt logprobs and max_tokens 0 are not served through an external backend replica"
     return None
+
+
+def guided_fields(spec: GrammarSpec) -> dict[str, Any]:
+    """A constraint as vLLM's (and SGLang's) completions fields, so a backend engine enforces it too."""
+    match spec.kind:
+        case GrammarKind.JSON_SCHEMA:
+            return {"guided_json": json.loads(spec.source)}
+        case GrammarKind.JSON_OBJECT:
+            return {"guided_json": {"type": "object"}}
+        case GrammarKind.REGEX:
+            return {"guided_regex": spec.source}
+        case GrammarKind.CHOICE:
+            return {"guided_choice": json.loads(spec.source)}
+    return {"guided_grammar": spec.source}
 
 
 class HTTPBackend(ClientBase):

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from tokenfactory.engine.client import EngineClient, EngineStats, SpeculativeMetrics
+from tokenfactory.engine.client import EngineClient, EngineStats, GrammarMetrics, SpeculativeMetrics
 from tokenfactory.meter.attribution import Meter
 from tokenfactory.meter.ledger import Ledger
 from tokenfactory.meter.utilisation import DeviceUsage, from_totals
@@ -79,6 +79,30 @@ class EngineCollector(Collector):
         model_name, s = snaps[0]  # the default model's (a fleet reports no speculative figures of its own)
         if s.speculative is not None:
             yield from speculative_metrics(s.speculative, model_name)
+        grammars = [(name, snap.grammar) for name, snap in snaps if snap.grammar is not None]
+        if grammars:
+            yield from grammar_metrics(grammars)
+
+
+def grammar_metrics(per_model: list[tuple[str, GrammarMetrics]]) -> Iterator[CounterMetricFamily]:
+    """Structured outputs (engine/grammar.py): constrained requests, compiles, the cache, failures, forced tokens,
+    and the steps speculative decoding stepped aside for."""
+    for name, doc, value in (
+            ("structured_output_requests", "Requests under a grammar (JSON schema, regex, choice, tools, ...).",
+             lambda g: g.num_requests),
+            ("structured_output_compiles", "Grammars compiled (cache misses).", lambda g: g.num_compiles),
+            ("structured_output_cache_hits", "Grammars found compiled in the cache.", lambda g: g.num_cache_hits),
+            ("structured_output_failures", "Requests failed for their grammar (invalid, too costly, too slow).",
+             lambda g: g.num_failures),
+            ("structured_output_compile_seconds", "Seconds spent compiling grammars.", lambda g: g.compile_seconds),
+            ("structured_output_forced_tokens", "Output tokens a grammar forced (appended without a decode step).",
+             lambda g: g.num_forced_tokens),
+            ("structured_output_spec_skipped", "Sequence steps speculative decoding stepped aside for (constrained).",
+             lambda g: g.num_spec_skipped)):
+        c = CounterMetricFamily(P + name, doc, labels=["model_name"])
+        for model_name, g in per_model:
+            c.add_metric([model_name], value(g))
+        yield c
 
 
 def speculative_metrics(m: SpeculativeMetrics, model_name: str) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:

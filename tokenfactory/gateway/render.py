@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from tokenfactory.meter.attribution import RequestEnergy
+from tokenfactory.models.tools import ToolCall
 from tokenfactory.service.results import (
     Choice,
     ChoiceDelta,
@@ -44,6 +45,8 @@ def usage_body(usage: Usage) -> dict[str, Any]:
         body["tokens_source"] = usage.tokens_source
     if usage.energy is not None:
         body.update(energy_fields(usage.energy))
+    if usage.num_forced_tokens is not None:  # a grammar's forced tokens: output made without a decode step each
+        body["forced_tokens"] = usage.num_forced_tokens
     if (c := usage.compression) is not None:
         body.update({"compressed_prompt_tokens": c.compressed_prompt_tokens,
                      "compression_summary_tokens": c.summary_tokens,
@@ -82,13 +85,21 @@ def completion_logprobs(logprobs: list[list[Logprob]] | None, text_offset: int =
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
+def tool_call_body(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {} if index is None else {"index": index}
+    return {**body, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
 def _chat_choice(c: Choice) -> dict[str, Any]:
-    return {"index": c.index, "message": {"role": "assistant", "content": c.text},
-            "logprobs": chat_logprobs(c.logprobs), "finish_reason": finish_reason(c.finish_reason)}
+    message: dict[str, Any] = {"role": "assistant", "content": c.text}
+    if c.tool_calls:
+        message["tool_calls"] = [tool_call_body(call) for call in c.tool_calls]
+    return {"index": c.index, "message": message, "logprobs": chat_logprobs(c.logprobs),
+            "finish_reason": finish_reason(c.finish_reason)}
 
 
 def _text_choice(c: Choice) -> dict[str, Any]:
-    return {"index": c.index, "text": c.text, "logprobs": completion_logprobs(c.logprobs),
+    return {"index": c.index, "text": c.text or "", "logprobs": completion_logprobs(c.logprobs),
             "finish_reason": finish_reason(c.finish_reason)}
 
 
@@ -115,7 +126,10 @@ def stream_chunks(stream: CompletionStream, event: StreamEvent) -> list[dict[str
                 for i, prefix in event.choice_to_prefix if event.echo]
     if isinstance(event, ChoiceDelta):
         if chat:
-            delta = {"content": event.text} if event.text or event.finish_reason is None else {}
+            delta: dict[str, Any] = {"content": event.text} if event.text or (
+                event.finish_reason is None and not event.tool_calls) else {}
+            if event.tool_calls:  # each call whole, in OpenAI's delta shape (id, name and all its arguments)
+                delta["tool_calls"] = [tool_call_body(call, i) for i, call in event.tool_calls]
             choice = {"index": event.index, "delta": delta, "logprobs": chat_logprobs(event.logprobs),
                       "finish_reason": finish_reason(event.finish_reason)}
         else:
@@ -125,4 +139,5 @@ def stream_chunks(stream: CompletionStream, event: StreamEvent) -> list[dict[str
     if isinstance(event, StreamEnd):
         return [{**head, "choices": [], "usage": usage_body(event.usage)}]
     assert isinstance(event, StreamFailed)
-    return [{"error": {"message": event.message, "type": "server_error", "param": None, "code": event.code}}]
+    kind = "server_error" if event.param is None else "invalid_request_error"
+    return [{"error": {"message": event.message, "type": kind, "param": event.param, "code": event.code}}]

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tokenfactory.service.structured import guided_grammar, response_format_grammar
 from tokenfactory.types import (
     INT64_MAX,
     INT64_MIN,
@@ -22,6 +23,7 @@ from tokenfactory.types import (
     MAX_TEMPERATURE,
     MAX_TOKENS,
     MAX_TOP_K,
+    GrammarSpec,
     ParameterError,
     SamplingParams,
 )
@@ -42,6 +44,21 @@ class CompressionOptions(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` field (service/structured.py): one of these."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_schema: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def fields(self) -> dict[str, Any]:
+        return {"json": self.json_schema, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+                "json_object": self.json_object}
 
 
 class SamplingFields(BaseModel):
@@ -72,6 +89,23 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     speculative: bool = True  # per-request opt-out of speculative decoding
+    # Structured outputs (service/structured.py): OpenAI's response_format, and vLLM's fields, on chat and
+    # completions alike; guided_decoding_backend is accepted for vLLM's clients (llguidance serves them all).
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+    def output_constraints(self) -> list[GrammarSpec]:
+        """Every output constraint the body asks for, each naming its field (one is allowed; the service says)."""
+        specs = [spec for spec in [response_format_grammar(self.response_format)] if spec is not None]
+        fields = {"guided_json": self.guided_json, "guided_regex": self.guided_regex,
+                  "guided_choice": self.guided_choice, "guided_grammar": self.guided_grammar,
+                  "structured_outputs": self.structured_outputs.fields() if self.structured_outputs else None}
+        return specs + guided_grammar(fields)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.logit_bias:
@@ -131,7 +165,6 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -143,19 +176,44 @@ class ChatCompletionRequest(SamplingFields):
     context_compression: CompressionOptions | None = None
 
     def messages_as_dicts(self) -> list[dict]:
-        """Each message as the chat template takes it: role, text content, and any extra string fields."""
-        return [{**{k: v for k, v in (m.model_extra or {}).items() if isinstance(v, str)}, "role": m.role,
-                 "content": m.text()} for m in self.messages]
+        """Each message as the chat template takes it: role, text content, any extra string fields, and an
+        assistant turn's `tool_calls` (models/tools.py renders them)."""
+        out = []
+        for i, m in enumerate(self.messages):
+            message = {**{k: v for k, v in (m.model_extra or {}).items() if isinstance(v, str)}, "role": m.role,
+                       "content": m.text()}
+            calls = (m.model_extra or {}).get("tool_calls")
+            if calls:
+                message["tool_calls"] = tool_calls_of(calls, f"messages[{i}].tool_calls")
+                if m.content is None:
+                    message["content"] = None
+            out.append(message)
+        return out
 
     def check_supported(self) -> None:
         if not self.messages:
             raise ParameterError("messages", "messages must hold at least one message")
-        if self.tools:
-            raise ParameterError("tools", "tool calling is not supported by this server")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ParameterError("response_format", "only response_format {\"type\": \"text\"} is supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise ParameterError("top_logprobs", "top_logprobs needs logprobs set to true")
+
+
+def tool_calls_of(calls: object, param: str) -> list[dict[str, Any]]:
+    """An assistant message's `tool_calls`, checked: [{"id", "type": "function", "function": {"name",
+    "arguments": JSON text}}]."""
+    if not isinstance(calls, list):
+        raise ParameterError(param, f"{param} must be a list")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ParameterError(f"{param}[{j}]", f"{param}[{j}] must be {{'type': 'function', 'function': "
+                                 "{'name': ..., 'arguments': ...}}")
+        arguments = fn.get("arguments", "{}")
+        if not isinstance(arguments, str | dict):
+            raise ParameterError(f"{param}[{j}].function.arguments", "arguments must be a JSON string")
+        out.append({"id": str(call.get("id", "")), "type": "function",
+                    "function": {"name": fn["name"], "arguments": arguments}})
+    return out
 
 
 def check_unicode(body: BaseModel) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from tokenfactory.meter.attribution import RequestEnergy
+from tokenfactory.models.tools import ToolCall
 from tokenfactory.types import FinishReason, Logprob, RequestOutput
 
 Kind = Literal["chat", "text"]
@@ -38,6 +39,8 @@ class Usage:
     tokens_source: str | None = None  # an external backend served it: whose counts these are
     energy: RequestEnergy | None = None  # None: this server runs without a meter
     compression: CompressionUsage | None = None
+    # Output tokens a grammar forced (no decode step of their own); None: the request had no grammar.
+    num_forced_tokens: int | None = None
 
     @property
     def num_total_tokens(self) -> int:
@@ -45,18 +48,20 @@ class Usage:
 
     @classmethod
     def of(cls, finals: list[RequestOutput], energy: RequestEnergy | None,
-           compression: CompressionUsage | None = None) -> Usage:
+           compression: CompressionUsage | None = None, constrained: bool = False) -> Usage:
         sources = {o.tokens_source for o in finals if o.tokens_source is not None}
         return cls(sum(len(o.prompt_token_ids) for o in finals), sum(o.num_completion_tokens for o in finals),
-                   sum(o.num_cached_tokens for o in finals), "+".join(sorted(sources)) or None, energy, compression)
+                   sum(o.num_cached_tokens for o in finals), "+".join(sorted(sources)) or None, energy, compression,
+                   sum(o.num_forced_tokens for o in finals) if constrained else None)
 
 
 @dataclass(frozen=True)
 class Choice:
     index: int
-    text: str
+    text: str | None  # None: an answer that is only tool calls
     finish_reason: FinishReason | None
     logprobs: list[list[Logprob]] | None
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,7 @@ class ChoiceDelta:
     text: str
     logprobs: list[list[Logprob]] | None
     finish_reason: FinishReason | None
+    tool_calls: tuple[tuple[int, ToolCall], ...] = ()  # calls completed in this delta, with their index
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,7 @@ class StreamEnd:
 class StreamFailed:
     message: str
     code: str  # request_failed | engine_unavailable
+    param: str | None = None  # the request field to blame, when the client's input caused it
 
 
 StreamEvent = StreamStart | ChoiceDelta | StreamEnd | StreamFailed

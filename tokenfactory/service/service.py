@@ -20,6 +20,7 @@ prompt's engine stream. Every way out — the end, a failure, the caller's cance
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -27,8 +28,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tokenfactory.engine.client import AddRequest, EngineClient, EngineDeadError, RequestError
+from tokenfactory.engine.grammar import validate_grammar
 from tokenfactory.meter.ledger import UsageTotals
 from tokenfactory.models.tokenizer import Tokenizer
+from tokenfactory.models.tools import ToolCallStream
 from tokenfactory.service.accounting import Accounting
 from tokenfactory.service.admission import Reservation
 from tokenfactory.service.call import Call
@@ -56,8 +59,9 @@ from tokenfactory.service.results import (
     Usage,
 )
 from tokenfactory.service.settlement import Settlement
+from tokenfactory.service.structured import ToolPlan, one_constraint, plan_tools, request_grammar
 from tokenfactory.service.tenancy import Tenancy
-from tokenfactory.types import ParameterError, RequestOutput, SamplingParams
+from tokenfactory.types import FinishReason, GrammarSpec, ParameterError, RequestOutput, SamplingParams
 
 USAGE_GROUPS = (None, "day", "tenant", "model", "replica")
 
@@ -155,8 +159,12 @@ class RequestService:
             raise ParameterError("best_of" if body.suffix is None else "suffix",
                                  "best_of and suffix are not supported by this server")
         body.sampling_params(body.max_tokens, body.logprobs)  # cheap checks before tokenizing anything
+        grammar = one_constraint(body.output_constraints())
+        if grammar is not None:
+            await asyncio.to_thread(validate_grammar, grammar)  # a 400 naming the field, before any work
         prompts = await asyncio.to_thread(normalize_prompts, body.prompt, served.engine.tokenizer)
-        prepared = [prepare(served, body, text, ids, body.max_tokens, body.logprobs) for text, ids in prompts]
+        prepared = [prepare(served, body, text, ids, body.max_tokens, body.logprobs, grammar)
+                    for text, ids in prompts]
         request_id = call.request_id or f"cmpl-{uuid.uuid4().hex}"
         return await self._run(call, request_id, "text", body, prepared, served, echo=body.echo)
 
@@ -170,7 +178,11 @@ class RequestService:
         body.sampling_params(max_tokens, logprobs)  # cheap checks before tokenizing anything
         request_id = call.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         tokenizer = served.engine.tokenizer
-        text, ids = await asyncio.to_thread(chat_prompt, tokenizer, messages, body.add_generation_prompt)
+        tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, tokenizer)
+        grammar = request_grammar(body.output_constraints(), tools)
+        if grammar is not None:
+            await asyncio.to_thread(validate_grammar, grammar)  # a 400 naming the field, before any work
+        text, ids = await asyncio.to_thread(chat_prompt, tokenizer, messages, body.add_generation_prompt, body.tools)
         compression = None
         # Opt-in, by the request or its tenant's default: the oldest turns summarized if the chat won't fit.
         options = request_options(body.context_compression, call.tenant)
@@ -179,10 +191,10 @@ class RequestService:
                                                max_tokens, options)
             if compression is not None:
                 text, ids = await asyncio.to_thread(chat_prompt, tokenizer, compression.messages,
-                                                    body.add_generation_prompt)
-        prepared = [prepare(served, body, text, ids, max_tokens, logprobs)]
+                                                    body.add_generation_prompt, body.tools)
+        prepared = [prepare(served, body, text, ids, max_tokens, logprobs, grammar)]
         usage = compression.usage() if compression is not None else None
-        return await self._run(call, request_id, "chat", body, prepared, served, compression=usage)
+        return await self._run(call, request_id, "chat", body, prepared, served, compression=usage, tools=tools)
 
     async def usage(self, call: Call, since: str | None, group_by: str | None,
                     tenant: str | None = None) -> UsageReport:
@@ -205,8 +217,8 @@ class RequestService:
     # -- one request: admission, the engine, settlement ---------------------------------------------------
 
     async def _run(self, call: Call, request_id: str, kind: Kind, body: SamplingFields, prepared: list[Prepared],
-                   served: Served, *, echo: bool = False, compression: CompressionUsage | None = None
-                   ) -> CompletionResult | CompletionStream:
+                   served: Served, *, echo: bool = False, compression: CompressionUsage | None = None,
+                   tools: ToolPlan | None = None) -> CompletionResult | CompletionStream:
         self.check_alive(served)
         # The caller's limits are checked and its worst case reserved (queue slots, concurrency, tokens,
         # budget); the Settlement releases all of it exactly once, on every way out.
@@ -222,8 +234,10 @@ class RequestService:
             reservation.cancel()
             raise
         created = int(time.time())
+        constrained = any(p.params.grammar is not None for p in prepared)
         if body.stream:
-            return self._stream(call, kind, request_id, created, served, adds, settlement, echo, compression)
+            return self._stream(call, kind, request_id, created, served, adds, settlement, echo, compression,
+                                tools, constrained)
         latest: dict[int, RequestOutput] = {}
         try:
             finals = await self._collect(call, served, adds, latest, reservation)
@@ -236,10 +250,10 @@ class RequestService:
             n = len(out.outputs)
             for c in out.outputs:
                 prefix = (out.prompt or "") if echo else ""
-                choices.append(Choice(i * n + c.index, prefix + c.text, c.finish_reason, c.logprobs))
+                choices.append(_choice(i * n + c.index, prefix + c.text, c.finish_reason, c.logprobs, tools))
         energy = await settlement.settle(list(finals), "finished")
         return CompletionResult(kind, request_id, served.name, created, tuple(choices),
-                                Usage.of(finals, energy, compression))
+                                Usage.of(finals, energy, compression, constrained))
 
     async def _collect(self, call: Call, served: Served, adds: list[AddRequest], latest: dict[int, RequestOutput],
                        reservation: Reservation) -> list[RequestOutput]:
@@ -253,6 +267,8 @@ class RequestService:
                     self.observer.on_output(served.name, out)
                     final = latest[i] = out
             except RequestError as e:
+                if e.param is not None:  # the client's input (a grammar the engine could not compile): a 400
+                    raise APIError(400, str(e), "invalid_request_error", e.param) from e
                 raise APIError(500, str(e), "server_error", code="request_failed") from e
             except EngineDeadError as e:
                 raise APIError(503, str(e), "server_error", code="engine_unavailable") from e
@@ -277,9 +293,10 @@ class RequestService:
 
     def _stream(self, call: Call, kind: Kind, request_id: str, created: int, served: Served,
                 adds: list[AddRequest], settlement: Settlement, echo: bool,
-                compression: CompressionUsage | None) -> CompletionStream:
+                compression: CompressionUsage | None, tools: ToolPlan | None = None,
+                constrained: bool = False) -> CompletionStream:
         latest: dict[int, RequestOutput] = {}
-        events = self._events(served, adds, settlement, latest, echo, compression)
+        events = self._events(served, adds, settlement, latest, echo, compression, tools, constrained)
 
         async def on_close() -> None:  # the stream's own settlement, or this one if it never finished
             await settlement.settle([latest.get(i) for i in range(len(adds))], "aborted")
@@ -287,14 +304,15 @@ class RequestService:
         return CompletionStream(kind, request_id, served.name, created, events, on_close)
 
     async def _events(self, served: Served, adds: list[AddRequest], settlement: Settlement,
-                      latest: dict[int, RequestOutput], echo: bool, compression: CompressionUsage | None
-                      ) -> AsyncIterator[StreamEvent]:
+                      latest: dict[int, RequestOutput], echo: bool, compression: CompressionUsage | None,
+                      tools: ToolPlan | None = None, constrained: bool = False) -> AsyncIterator[StreamEvent]:
         """Every prompt's engine stream read directly (each holds at most one pending output), never through a
         queue of its own. Closing it aborts whatever has not finished."""
         gens = [served.engine.generate(a) for a in adds]
         nexts: dict[asyncio.Future, int] = {}
         finals: dict[int, RequestOutput] = {}
         sent_finish: dict[int, set[int]] = {}  # per prompt, the choices whose finish was sent
+        calls = ToolDeltas(tools) if tools is not None and tools.parse else None
         try:
             yield StreamStart(tuple((i * a.params.n + k, (a.prompt or "") if echo else "")
                                     for i, a in enumerate(adds) for k in range(a.params.n)), echo)
@@ -308,13 +326,15 @@ class RequestService:
                     except (RequestError, EngineDeadError) as e:
                         settlement.start([finals.get(j, latest.get(j)) for j in range(len(adds))], "failed")
                         code = "request_failed" if isinstance(e, RequestError) else "engine_unavailable"
-                        yield StreamFailed(str(e), code)
+                        yield StreamFailed(str(e), code, e.param if isinstance(e, RequestError) else None)
                         return
                     if i not in latest:
                         settlement.reservation.leave_queue(i)
                     self.observer.on_output(served.name, out)
                     latest[i] = out
                     for delta in choice_deltas(i, out, sent_finish.setdefault(i, set())):
+                        if calls is not None and (delta := calls.split(delta)) is None:
+                            continue  # held: the text so far may be the start of a call
                         yield delta
                     if out.finished:
                         finals[i] = out
@@ -322,7 +342,7 @@ class RequestService:
                         nexts[asyncio.ensure_future(anext(gens[i]))] = i
             ordered = [finals[i] for i in sorted(finals)]
             energy = await settlement.settle(list(ordered), "finished")
-            yield StreamEnd(Usage.of(ordered, energy, compression))
+            yield StreamEnd(Usage.of(ordered, energy, compression, constrained))
         finally:
             for future in nexts:
                 future.cancel()
@@ -369,7 +389,7 @@ class RequestService:
 
 
 def prepare(served: Served, body: SamplingFields, text: str | None, ids: list[int], max_tokens: int | None,
-            logprobs: int | None) -> Prepared:
+            logprobs: int | None, grammar: GrammarSpec | None = None) -> Prepared:
     """One prompt checked against the model (ids, length, room for max_tokens, model-dependent values)."""
     info = served.engine.info
     info.check_prompt(ids)
@@ -381,14 +401,18 @@ def prepare(served: Served, body: SamplingFields, text: str | None, ids: list[in
             "max_tokens", f"this model's context window is {info.max_model_len} model tokens; the prompt has "
             f"{len(ids)} and max_tokens asks for {max_tokens} more: lower max_tokens to at most {room}")
     params = body.sampling_params(max_tokens, logprobs)
+    if grammar is not None:
+        params = dataclasses.replace(params, grammar=grammar)
     info.check_params(params)
     return Prepared(text, ids, params)
 
 
-def chat_prompt(tokenizer: Tokenizer, messages: list[dict], add_generation_prompt: bool) -> tuple[str, list[int]]:
-    """The chat template applied and tokenized (in a worker thread: long conversations take a while)."""
+def chat_prompt(tokenizer: Tokenizer, messages: list[dict], add_generation_prompt: bool,
+                tools: list[dict] | None = None) -> tuple[str, list[int]]:
+    """The chat template applied (with the tools' definitions) and tokenized (in a worker thread: long
+    conversations take a while)."""
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
     except Exception as e:  # the template's own raise_exception(): e.g. roles out of order
         raise ParameterError("messages", f"the model's chat template refused these messages: {e}") from e
     return text, tokenizer.encode(text, add_special_tokens=False)
@@ -424,3 +448,36 @@ def choice_deltas(prompt_index: int, out: RequestOutput, sent_finish: set[int]) 
         if c.finished:
             sent_finish.add(c.index)
     return deltas
+
+
+def _choice(index: int, text: str, reason: FinishReason | None, logprobs: list | None,
+            tools: ToolPlan | None) -> Choice:
+    """A finished choice; with tools, its text split into content and calls ("tool_calls" when it holds any)."""
+    if tools is None:
+        return Choice(index, text, reason, logprobs)
+    parsed = tools.parse_output(text)
+    if parsed.tool_calls and reason is FinishReason.STOP:
+        reason = FinishReason.TOOL_CALLS
+    return Choice(index, parsed.content, reason, logprobs, parsed.tool_calls)
+
+
+class ToolDeltas:
+    """A streamed chat's text deltas split, per choice, into content and calls (models/tools.py ToolCallStream):
+    content at once, each call whole when it completes, the finish "tool_calls" when there were calls."""
+
+    def __init__(self, tools: ToolPlan) -> None:
+        self.parser = tools.parser
+        self.index_to_stream: dict[int, ToolCallStream] = {}
+
+    def split(self, delta: ChoiceDelta) -> ChoiceDelta | None:
+        stream = self.index_to_stream.setdefault(delta.index, ToolCallStream(self.parser))
+        part = stream.feed(delta.text)
+        content, calls, reason = part.content, part.tool_calls, delta.finish_reason
+        if reason is not None:
+            last, _ = stream.finish()
+            content, calls = content + last.content, calls + last.tool_calls
+            if stream.calls and reason is FinishReason.STOP:
+                reason = FinishReason.TOOL_CALLS
+        if not content and not calls and reason is None and not delta.logprobs:
+            return None
+        return ChoiceDelta(delta.index, content, delta.logprobs, reason, calls)
