@@ -87,6 +87,20 @@ def test_validation_refuses_invalid_and_too_costly_schemas_quickly() -> None:
     validate_grammar(GrammarSpec.json_schema(PERSON))
 
 
+def test_exclusive_integer_bounds_are_kept_despite_llguidance(engine) -> None:
+    """llguidance 1.9.1 lets "0" through {"exclusiveMinimum": 0, "maximum": 0.5} (and "-2" through its mirror);
+    json_schema_workarounds tightens such a bound, so the grammar refuses the excluded integer."""
+    tok = engine.tokenizer
+    for schema, excluded, allowed in (({"type": "number", "exclusiveMinimum": 0.0, "maximum": 0.99999}, "0", "0.5"),
+                                      ({"type": "number", "minimum": -2.5, "exclusiveMaximum": -2}, "-2", "-2.25"),
+                                      ({"type": "number", "exclusiveMinimum": 3, "maximum": 3.7}, "3", "3.5")):
+        template = engine.grammars.compiler.submit(GrammarSpec.json_schema(schema)).result().template
+        for text, ok in ((excluded, False), (allowed, True)):
+            m = template.deep_copy()
+            assert (m.consume_tokens(tok.encode(text, add_special_tokens=False)) and m.is_accepting()) is ok, \
+                (schema, text)
+
+
 # -- outputs follow their grammar ----------------------------------------------------------------------------------
 
 def test_outputs_follow_each_kind_of_grammar_at_temperature_1(engine) -> None:

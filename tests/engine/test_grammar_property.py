@@ -101,7 +101,7 @@ def test_generated_schemas_are_answered_validly_at_temperature_1(tiny_engine, sc
 
 
 def test_generated_schemas_on_the_bundled_model(bundled) -> None:
-    engine = LLMEngine(EngineConfig(max_model_len=2048, max_num_seqs=16), bundled)
+    engine = LLMEngine(EngineConfig(max_model_len=2048, max_num_seqs=16, machine_profile="off"), bundled)
     schemas = _fixed_examples(8)
     tok = bundled.tokenizer
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Reply with a JSON value."}]),

@@ -64,7 +64,8 @@ def grammar_text(spec: GrammarSpec) -> str:
     try:
         match spec.kind:
             case GrammarKind.JSON_SCHEMA:
-                return llguidance.LLMatcher.grammar_from_json_schema(spec.source, defaults=JSON_OPTIONS)
+                schema = json_schema_workarounds(json.loads(spec.source))
+                return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
             case GrammarKind.JSON_OBJECT:
                 return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
             case GrammarKind.REGEX:
@@ -77,6 +78,41 @@ def grammar_text(spec: GrammarSpec) -> str:
     except (ValueError, TypeError) as e:
         raise ParameterError(spec.param, f"{spec.param} is not a valid {spec.kind}: {e}") from None
     raise ParameterError(spec.param, f"{spec.param}: unknown kind {spec.kind!r}")
+
+
+# An exclusive bound is tightened this far inside when it must be (json_schema_workarounds).
+_EXCLUSIVE_EPSILON = 1e-6
+
+
+def json_schema_workarounds(schema: object) -> object:
+    """`schema` with what llguidance 1.9.1 gets wrong rewritten into what it gets right (found by
+    tests/engine/test_grammar_property.py). A number's exclusive bound at an integer N, with the other bound
+    within one of N (`{"exclusiveMinimum": 0, "maximum": 0.5}`, `{"minimum": -2.5, "exclusiveMaximum": -2}`),
+    lets the bare integer "N" through; it becomes an inclusive bound a millionth inside (at most half-way to
+    the other bound): a subset of the allowed numbers, so every output still validates against the original."""
+    if isinstance(schema, list):
+        return [json_schema_workarounds(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: json_schema_workarounds(v) for k, v in schema.items()}
+    low, high = out.get("exclusiveMinimum"), out.get("exclusiveMaximum")
+    upper = out.get("maximum", high)
+    lower = out.get("minimum", low)
+    if _is_integral(low) and _is_number(upper) and upper < low + 1:
+        del out["exclusiveMinimum"]
+        out["minimum"] = max(low + min(_EXCLUSIVE_EPSILON, (upper - low) / 2), out.get("minimum", low))
+    if _is_integral(high) and _is_number(lower) and lower > high - 1:
+        del out["exclusiveMaximum"]
+        out["maximum"] = min(high - min(_EXCLUSIVE_EPSILON, (high - lower) / 2), out.get("maximum", high))
+    return out
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_integral(value: object) -> bool:
+    return _is_number(value) and float(value).is_integer()  # type: ignore[arg-type]
 
 
 def lark_json(schema: Mapping[str, object]) -> str:

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tokenfactory.engine.grammar import json_schema_workarounds
 from tokenfactory.models.tokenizer import Tokenizer
 from tokenfactory.models.tools import (
     Function,
@@ -138,7 +139,8 @@ def plan_tools(tools: Sequence[Mapping[str, Any]] | None, tool_choice: object, p
         return None
     functions = functions_from_openai(tools)
     choice = "auto" if tool_choice is None else tool_choice
-    closed = [Function(f.name, f.description, closed_schema(f.parameters)) for f in functions]  # type: ignore[arg-type]
+    closed = [Function(f.name, f.description, json_schema_workarounds(closed_schema(f.parameters)))  # type: ignore[arg-type]
+              for f in functions]
     parser = tokenizer.tool_parser
     grammar = tool_choice_grammar(parser, closed, choice, parallel_tool_calls is not False)
     return ToolPlan(tuple(dict(t) for t in tools), tuple(functions), parser, grammar,
