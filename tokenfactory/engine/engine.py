@@ -325,14 +325,14 @@ class LLMEngine:
             self.grammars.wait(0.01)  # nothing to run until a grammar compiles: wait for it, do not spin
         results = sampled = step.sampled
         ended: list[Sequence] = []
+        num_forced = 0
         if self.grammars.num_active:
-            results, ended, failed_seqs = self._advance_grammars(results)
+            results, ended, failed_seqs, num_forced = self._advance_grammars(results)
             failed += failed_seqs
         num_tokens_before = {seq.seq_id: seq.num_tokens for seq, _ in results}
         self.scheduler.update(sched, {seq.seq_id: [t.token_id for t in toks] for seq, toks in results})
         for seq in ended:
             self.scheduler.finish(seq, FinishReason.STOP)  # the grammar is complete: nothing but EOS could follow
-        num_forced = sum(len(toks) for _, toks in results) - sum(len(toks) for _, toks in sampled)
         outputs = self._process_outputs(sched, results, step, num_tokens_before)
         self._record_step(sched, start, self.scheduler.num_preemptions - preempted_before, num_constrained, num_forced)
         try:
@@ -377,15 +377,16 @@ class LLMEngine:
                 self.scheduler.add(seq)
         return failed
 
-    def _advance_grammars(self, results: list[tuple[Sequence, list[SampledToken]]]
-                          ) -> tuple[list[tuple[Sequence, list[SampledToken]]], list[Sequence], list[RequestOutput]]:
+    def _advance_grammars(self, results: list[tuple[Sequence, list[SampledToken]]]) -> tuple[
+            list[tuple[Sequence, list[SampledToken]]], list[Sequence], list[RequestOutput], int]:
         """Each constrained sequence's matcher takes its new tokens; the tokens its grammar then forces are
         appended (up to max_tokens and the context window) as if sampled, and computed next step as one chunk
         with the token sampled after them. Returns the extended results, the sequences whose grammar is
-        complete, and the outputs of requests failed because their grammar refused a token."""
+        complete, the outputs of requests failed because their grammar refused a token, and the tokens forced."""
         extended: list[tuple[Sequence, list[SampledToken]]] = []
         ended: list[Sequence] = []
         failed: list[RequestOutput] = []
+        num_forced = 0
         for seq, toks in results:
             state = self.requests.get(seq.request_id)
             if not toks or state is None or not self.grammars.constrains(seq.seq_id):
@@ -402,10 +403,11 @@ class LLMEngine:
             lp = seq.params.logprobs
             forced = [SampledToken(t, None if lp is None else [(t, 0.0)] * (1 + min(lp, 1))) for t in advance.forced]
             state.num_forced_tokens += len(forced)
+            num_forced += len(forced)
             extended.append((seq, toks + forced))
             if advance.stopped:
                 ended.append(seq)
-        return extended, ended, failed
+        return extended, ended, failed, num_forced
 
     def _drop_speculation(self, doing: str) -> None:
         logger.exception("speculative decoding failed while %s; it is off from now on", doing)
