@@ -51,7 +51,7 @@ def server(tmp_path_factory) -> Server:
 
 @pytest.fixture(scope="module")
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)  # a busy machine
 
 
 def test_response_format_json_schema_strict_and_not_and_json_object(client) -> None:
