@@ -9,6 +9,20 @@ from typing import Protocol
 from tokenfactory.types import ParameterError
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+# The KV cache's storage formats (layers/kv_quant.py): the model's own dtype, or one byte a value with a float16
+# scale per KV head and token beside it.
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+KV_SCALE_BYTES = 2  # float16 (layers/kv_quant.py SCALE_DTYPE)
+
+
+def kv_bytes_per_head_token(head_dim: int, kv_cache_dtype: str, dtype_bytes: int) -> int:
+    """Bytes one KV head's key (or value) of one token takes: head_dim values in the model's dtype (`auto`), or
+    head_dim bytes and a float16 scale (int8, fp8). The one accounting of KV bytes: the engine's pool, the start-up
+    check and the planner all call it (torch-free, so the planner can)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ParameterError("kv_cache_dtype", f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {kv_cache_dtype!r}")
+    return head_dim * dtype_bytes if kv_cache_dtype == "auto" else head_dim + KV_SCALE_BYTES
 
 
 @dataclass(frozen=True)
@@ -80,9 +94,13 @@ class ModelConfig:
         lm_head = 0 if self.tie_word_embeddings else v * h
         return v * h + self.num_layers * per_layer + h + lm_head
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V, every layer: 2 · layers · kv_heads · head_dim · bytes (GQA counts KV heads, not heads)."""
-        return 2 * self.num_layers * self.kv_size * dtype_bytes
+    def kv_bytes_per_token(self, dtype_bytes: int, kv_cache_dtype: str = "auto",
+                           num_kv_heads: int | None = None) -> int:
+        """K and V of one token over every layer, scales included: 2 · layers · kv_heads · bytes per head and token
+        (`kv_bytes_per_head_token`; GQA counts KV heads, not heads). `dtype_bytes` is the model's dtype (what `auto`
+        stores); `num_kv_heads` the heads one card holds under tensor parallelism (default: all)."""
+        heads = self.num_kv_heads if num_kv_heads is None else num_kv_heads
+        return 2 * self.num_layers * heads * kv_bytes_per_head_token(self.head_dim, kv_cache_dtype, dtype_bytes)
 
 
 @dataclass(frozen=True)
@@ -161,7 +179,7 @@ class EngineConfig:
                                  f"grammar_cache_size must be >= 1, got {self.grammar_cache_size}")
         if self.batch_yield not in ("share", "seats"):
             raise ParameterError("batch_yield", f"batch_yield must be share or seats, got {self.batch_yield!r}")
-        if self.kv_cache_dtype not in ("auto", "int8", "fp8"):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ParameterError("kv_cache_dtype",
                                  f"kv_cache_dtype must be auto, int8 or fp8, got {self.kv_cache_dtype!r}")
         mem = self.kv_cache_memory
@@ -170,6 +188,12 @@ class EngineConfig:
                                  f"kv_cache_memory as a fraction must be in (0, 1], got {mem}")
         if isinstance(mem, int) and mem <= 0:
             raise ParameterError("kv_cache_memory", f"kv_cache_memory in bytes must be > 0, got {mem}")
+
+
+def default_max_model_len(context_tokens: int, kv_capacity_tokens: int) -> int:
+    """max_model_len when none is given: the model's context, capped at the tokens the KV cache holds. The engine's
+    rule at start-up, and so the start-up check's, the doctor's and the planner's (one truth: #30)."""
+    return min(context_tokens, kv_capacity_tokens)
 
 
 class FlopShape(Protocol):

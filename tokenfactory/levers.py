@@ -13,6 +13,7 @@ A lever may keep an older name as an alias (`--concurrency` for `--max-num-seqs`
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,8 +67,10 @@ LEVERS: dict[str, Lever] = {lever.dest: lever for lever in (
     Lever("--no-prefix-caching",
           "turn off the prefix cache. On by default: requests that share a prompt prefix (a system prompt, an "
           "agent's tools) reuse its cached KV blocks and skip its prefill"),
-    Lever("--prompt-tokens", "mean prompt length of the workload, tokens"),
-    Lever("--output-tokens", "mean output length of the workload, tokens"),
+    Lever("--prompt-tokens", "mean prompt length of the workload, in tokens: each costs prefill compute (TTFT) and "
+          "KV cache while its request runs"),
+    Lever("--output-tokens", "mean output length of the workload, in tokens: each is one decode step, and the KV "
+          "cache grows by one token per step"),
     Lever("--electricity-per-kwh",
           "electricity price per kWh at the wall, in --currency. Default: the prices file's (US EIA commercial "
           "average)", aliases=("--electricity-usd-per-kwh", "--usd-per-kwh")),
@@ -83,6 +86,20 @@ LEVERS: dict[str, Lever] = {lever.dest: lever for lever in (
     Lever("--currency-per-usd",
           "units of --currency per US dollar. Default: the prices file's rate for known codes"),
 )}
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+
+
+def parse_memory(text: str) -> int | float:
+    """'2GiB', '512MB', '1000000' (bytes) or '0.4' (a fraction of free memory): --kv-cache-memory's type."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"expected bytes (e.g. 2GiB, 512MB) or a fraction in (0, 1], got {text!r}")
+    value, unit = float(m.group(1)), m.group(2).lower()
+    if not unit and value <= 1.0 and "." in m.group(1):
+        return value
+    return int(value * _UNITS[unit])
 
 
 def engine_default(name: str) -> Any:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from tokenfactory.config import EngineConfig, ModelConfig
+from tokenfactory.config import EngineConfig, ModelConfig, default_max_model_len
 from tokenfactory.layers.kv_quant import KVFormat
 from tokenfactory.types import ParameterError
 
@@ -102,8 +102,8 @@ def _share_of(budget: float | None, device: torch.device, free: int) -> int:
 
 
 def kv_bytes_per_token(model: ModelConfig, fmt: KVFormat) -> int:
-    """K and V of one token over every layer, scales included: 2 · layers · kv_heads · (d · bytes + scale)."""
-    return 2 * model.num_layers * model.num_kv_heads * fmt.bytes_per_head_token(model.head_dim)
+    """K and V of one token over every layer in `fmt`, scales included: config.py's one accounting."""
+    return model.kv_bytes_per_token(fmt.model_dtype_bytes, fmt.name)
 
 
 def plan_kv_cache(model: ModelConfig, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> KVCapacity:
@@ -117,7 +117,7 @@ def plan_kv_cache(model: ModelConfig, config: EngineConfig, device: torch.device
                              f"{config.block_size} tokens needs {per_token * config.block_size} bytes")
     capacity_tokens = num_blocks * config.block_size
     if config.max_model_len is None:
-        max_len = min(model.max_position_embeddings, capacity_tokens)
+        max_len = default_max_model_len(model.max_position_embeddings, capacity_tokens)
     else:
         max_len = config.max_model_len
         if max_len > capacity_tokens:

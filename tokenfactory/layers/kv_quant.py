@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")
-SCALE_DTYPE = torch.float16
+from tokenfactory.config import KV_CACHE_DTYPES, kv_bytes_per_head_token
+
+SCALE_DTYPE = torch.float16  # KV_SCALE_BYTES in config.py: tests/layers hold them equal
 # The largest magnitude each format stores: int8 keeps -128 unused so the range is symmetric.
 _QMAX = {"int8": 127.0, "fp8": 448.0}
 _STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
@@ -47,11 +48,13 @@ class KVFormat:
     def storage_dtype(self) -> torch.dtype:
         return _STORAGE.get(self.name, self.model_dtype)
 
+    @property
+    def model_dtype_bytes(self) -> int:
+        return torch.tensor([], dtype=self.model_dtype).element_size()
+
     def bytes_per_head_token(self, head_dim: int) -> int:
-        """Bytes one KV head's key (or value) of one token takes, its scale included."""
-        if not self.quantized:
-            return head_dim * torch.tensor([], dtype=self.model_dtype).element_size()
-        return head_dim + torch.tensor([], dtype=SCALE_DTYPE).element_size()
+        """Bytes one KV head's key (or value) of one token takes, its scale included (config.py's one accounting)."""
+        return kv_bytes_per_head_token(head_dim, self.name, self.model_dtype_bytes)
 
 
 def quantize_kv(x: torch.Tensor, storage: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -61,3 +61,14 @@ def layer_bytes(fmt: str, n: int, k: int, group: int, kernel: str | None, dense:
     # scales (and mins, but for symmetric int8) in the model's dtype.
     codes = n * k // 2 if fmt == "int4" else (0 if kernel == "cpu-int8pack" else n * k)
     return packed + codes + (1 if fmt == "int8" else 2) * n * (k // group) * dtype_bytes
+
+
+def auto_dense(device_type: str, copy_bytes: int, on_the_fly_bytes: int, unquantized_bytes: int,
+               copy_fits: bool) -> str:
+    """What `--quantization-dense auto` keeps (serve's start-up check and `tokenfactory plan --engine tokenfactory`
+    both ask this): the dense copy where it fits, except on CUDA when the copy would make the layers bigger than
+    not quantizing them (a bf16 copy beside int4 codes is more than bf16 alone): there the codes only, dequantized
+    per large step. On a CPU the copy pays: its packed kernels lose to a dense GEMM past ~12 rows (layers/quant.py)."""
+    if not copy_fits or (device_type == "cuda" and copy_bytes > unquantized_bytes and on_the_fly_bytes < copy_bytes):
+        return "on-the-fly"
+    return "copy"
