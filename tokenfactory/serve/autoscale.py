@@ -38,26 +38,30 @@ P = "tokenfactory:"
 
 
 def add_autoscaler_args(g: argparse._ArgumentGroup) -> None:
-    from tokenfactory.fleet.autoscaler import AUTOSCALERS
+    from tokenfactory.fleet.autoscaler import AUTOSCALERS, AutoscalerConfig
+
+    d = AutoscalerConfig()  # the one definition of these defaults, which `simulate` reads too (#30)
 
     g.add_argument("--autoscaler", choices=[*sorted(AUTOSCALERS), "auto"], nargs="?", const="auto",
                    help="follow demand between --min-replicas and --max-replicas (local process replicas): slo "
                         "keeps headroom within the SLO, energy packs replicas and stops the rest; alone (auto): "
                         "the --profile's goal, else slo")
-    g.add_argument("--min-replicas", type=int, default=1,
+    g.add_argument("--min-replicas", type=int, default=d.min_replicas,
                    help="autoscaler floor; 0 scales to zero when idle: a request that finds no replica is held "
                         "(up to --scale-from-zero-wait) while one starts, its TTFT carrying the cold start")
     g.add_argument("--scale-from-zero-wait", type=float, default=120.0,
                    help="with --min-replicas 0: seconds a request may wait for a replica to start")
-    g.add_argument("--max-replicas", type=int, default=4, help="autoscaler ceiling")
-    g.add_argument("--scale-up-delay", type=float, default=10.0, help="seconds a scale-up must be wanted")
-    g.add_argument("--scale-down-delay", type=float, default=60.0,
-                   help="seconds a scale-down must be wanted, and since the last change")
-    g.add_argument("--autoscale-interval", type=float, default=1.0, help="seconds between the autoscaler's ticks")
+    g.add_argument("--max-replicas", type=int, default=d.max_replicas, help="autoscaler ceiling")
+    g.add_argument("--scale-up-delay", type=float, default=d.up_delay_s,
+                   help="seconds a scale-up must be wanted (no flapping on bursts)")
+    g.add_argument("--scale-down-delay", type=float, default=d.down_delay_s,
+                   help="seconds a scale-down must be wanted, and since the last change (longer: fewer cold starts)")
+    g.add_argument("--autoscale-interval", type=float, default=d.interval_s,
+                   help="seconds between the autoscaler's ticks")
     g.add_argument("--autoscale-target-seqs", type=int,
                    help="sequences a replica serves within the SLO (default: its max_num_seqs)")
-    g.add_argument("--ttft-slo", type=float, default=2.0, help="TTFT target at p99, seconds")
-    g.add_argument("--tpot-slo", type=float, default=0.2, help="TPOT target at p99, seconds")
+    g.add_argument("--ttft-slo", type=float, default=d.slo.ttft_s, help="TTFT target at p99, seconds")
+    g.add_argument("--tpot-slo", type=float, default=d.slo.tpot_s, help="TPOT target at p99, seconds")
 
 
 @dataclasses.dataclass

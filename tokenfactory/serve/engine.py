@@ -30,6 +30,7 @@ def load_checked(args: argparse.Namespace):  # noqa: ANN201 - (EngineConfig, Loa
 
     from tokenfactory.engine.memory import free_memory_bytes, kv_budget_after_weights, resolve_device, resolve_dtype
     from tokenfactory.engine.placement import planned_weight_bytes
+    from tokenfactory.layers.weight_bytes import auto_dense
     from tokenfactory.models.loader import load_model
     from tokenfactory.planner.doctor import preflight, raise_on_errors
 
@@ -44,17 +45,23 @@ def load_checked(args: argparse.Namespace):  # noqa: ANN201 - (EngineConfig, Loa
     lean_config = dataclasses.replace(config, quantization_dense="on-the-fly")
     lean = planned_weight_bytes(loaded, lean_config, device, dtype)
     free = free_memory_bytes(device)
+    auto = getattr(args, "quantization_dense", "copy") == "auto"
+    if auto and device.type == "cuda" and lean < weights:  # a copy beside the codes, more than unquantized? (#30)
+        unquantized = planned_weight_bytes(loaded, dataclasses.replace(config, quantization="none"), device, dtype)
+        if auto_dense(device.type, weights, lean, unquantized, copy_fits=True) == "on-the-fly":
+            config, weights = lean_config, lean
 
     def check(weights_bytes: int) -> list:
+        # max_model_len None: the engine's own rule (the context, capped at what the cache holds), not the context.
         return preflight(loaded.config, device=str(device), dtype_bytes=dtype_bytes,
-                         max_model_len=config.max_model_len or loaded.config.max_position_embeddings,
+                         max_model_len=config.max_model_len,
                          kv_cache_bytes=kv_budget_after_weights(config.kv_cache_memory, device, free, weights_bytes),
                          free_memory_bytes=free, max_num_seqs=config.max_num_seqs, weights_bytes=weights_bytes,
                          kv_cache_dtype=config.kv_cache_dtype, weights_bytes_without_copy=lean)
 
     findings = check(weights)
     has_errors = any(f.severity == "error" for f in findings)
-    if has_errors and lean < weights and getattr(args, "quantization_dense", "copy") == "auto":
+    if has_errors and lean < weights and auto:
         lean_findings = check(lean)  # memory is short: the packed codes alone, if that fits
         if not any(f.severity == "error" for f in lean_findings):
             logger.info("pre-flight: the quantized layers' dense copy does not fit (%.0f MB of weights with it); "

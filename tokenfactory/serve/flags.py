@@ -5,20 +5,8 @@ its config, not when the command registers."""
 from __future__ import annotations
 
 import argparse
-import re
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
-
-
-def parse_memory(text: str) -> int | float:
-    """'2GiB', '512MB', '1000000' (bytes) or '0.4' (a fraction of free memory)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"expected bytes (e.g. 2GiB, 512MB) or a fraction in (0, 1], got {text!r}")
-    value, unit = float(m.group(1)), m.group(2).lower()
-    if not unit and value <= 1.0 and "." in m.group(1):
-        return value
-    return int(value * _UNITS[unit])
+from tokenfactory.levers import parse_memory  # --kv-cache-memory's type, shared with doctor (#30)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -95,7 +83,8 @@ def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201 - EngineC
 
 def dense_path(flag: str) -> str:
     """--quantization-dense as the engine takes it: "auto" starts as the copy; the start-up check
-    (`load_checked`) switches it to on-the-fly when only that fits."""
+    (`load_checked`) switches it to on-the-fly when only that fits, or on CUDA when the copy would make the weights
+    bigger than unquantized (layers/weight_bytes.py `auto_dense`)."""
     return "copy" if flag == "auto" else flag
 
 

@@ -59,7 +59,8 @@ def apply_profile(args: argparse.Namespace, parser_defaults: dict[str, object]
     weights = resolve_weights(model, None)
     kv = parse_kv_dtype("auto", weights.precision)
     workload = Workload()
-    memory = plan_memory(hw, model, weights, kv, min(model.config.max_position_embeddings, 8192), 256, 8192)
+    # The largest profile's batch and chunk size the activations; max_model_len as serve resolves it (#30).
+    memory = plan_memory(hw, model, weights, kv, getattr(args, "max_model_len", None), 256, 8192)
     profile = make_profile(args.profile, StepModel(hw, model, weights, kv), workload,
                            memory.max_seqs(workload.prompt_tokens + workload.output_tokens),
                            f"modelled on {device.name}")
