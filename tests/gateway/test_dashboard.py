@@ -47,7 +47,7 @@ def test_a_point_is_rates_over_the_interval_by_hand():
     p = make_point(a, b, prices)
     assert p["t"] == 1002.0 and p["tokens_in_s"] == 150.0 and p["tokens_out_s"] == 50.0
     assert p["watts"] == 200.0 and p["joules_per_token"] == 4.0 and p["energy_source"] == "constant"
-    usd_per_s = 2.99 / 3600 + prices.energy_cost_usd(200.0)  # one second of H100 at 200 W
+    usd_per_s = prices.device.usd_per_hour / 3600 + prices.energy_cost_usd(200.0)  # one second of H100 at 200 W
     assert p["usd_per_mtok"] == pytest.approx(usd_per_s / 50.0 * 1e6)
     assert p["busy"] == pytest.approx(0.75) and p["idle"] == pytest.approx(0.25)
     assert p["kv_usage"] == 0.25 and p["kv_used_bytes"] == 0.25e9 and p["weight_bytes"] == 270e6

@@ -85,7 +85,7 @@ def test_invoice_equals_the_ledger_rows_and_the_meter(served):
     [energy] = inv.energy
     joules = sum(r["energy_joules"] for r in rows)
     assert energy.source == "constant" and energy.joules == pytest.approx(joules, abs=1e-9) and joules > 0
-    assert energy.facility_joules == pytest.approx(joules)  # overheads 1.0 by default
+    assert energy.facility_joules == pytest.approx(joules * load_prices().energy_overhead_factor)  # at the wall
     # the meter's own totals, read from /metrics before the server stopped: to the joule and the cent
     assert abs(energy.joules - meter["attributed_energy_joules_total"]) < 1e-6
     assert abs(inv.device_seconds - meter["device_busy_seconds_total"]) < 1e-9
@@ -137,10 +137,12 @@ def test_a_device_profile_change_prices_device_time(tmp_path):
         month = utc_now().strftime("%Y-%m")
         h100, cpu = make_invoice(ledger.engine, "on-h100", month), make_invoice(ledger.engine, "on-cpu", month)
         assert h100.device_hours == cpu.device_hours == pytest.approx(0.5)
-        assert h100.cost_device_usd == pytest.approx(0.5 * 2.99)
+        assert h100.cost_device_usd == pytest.approx(0.5 * load_prices(device="h100").device.usd_per_hour)
         assert cpu.cost_device_usd == pytest.approx(0.5 * load_prices().device.usd_per_hour)
         assert h100.energy[0].joules == pytest.approx(300.0 * 1800.0)  # 150 Wh either way
-        assert h100.cost_energy_usd == pytest.approx(cpu.cost_energy_usd) == pytest.approx(0.15 * 0.13)
+        wall = load_prices()  # 0.15 kWh drawn, at the wall through the power supply (and the PUE)
+        assert h100.cost_energy_usd == pytest.approx(cpu.cost_energy_usd) == pytest.approx(
+            0.15 * wall.energy_overhead_factor * wall.usd_per_kwh)
     finally:
         ledger.close()
 

@@ -27,9 +27,11 @@ def test_profile_matched_from_gpu_name():
 
 
 def test_owned_device_amortised_at_utilisation():
-    prices = load_prices(device="h100-owned")
+    table = load_price_table()
+    prices = load_prices(device="h100-owned")  # the h100 profile's purchase price, [owning]'s lifetime and share
     assert prices.device.basis == "owned"
-    assert prices.device.usd_per_hour == pytest.approx(30000.0 / (5.0 * HOURS_PER_YEAR * 0.6))
+    assert prices.device.usd_per_hour == pytest.approx(table["devices"]["h100"]["purchase_usd"] / (
+        table["owning"]["lifetime_years"] * HOURS_PER_YEAR * table["owning"]["utilisation"]))
     assert owned_usd_per_hour(8766.0, 1.0, 1.0) == pytest.approx(1.0)
 
 
@@ -42,7 +44,7 @@ def test_override_file_merges_and_costs_follow(tmp_path, monkeypatch):
     assert prices.energy_overhead_factor == pytest.approx(1.59)
     assert prices.energy_cost_usd(3.6e6) == pytest.approx(0.30 * 1.59)  # one kWh measured
     assert prices.device_cost_usd(1800.0) == pytest.approx(3.6)
-    assert load_prices(override, device="h100").device.usd_per_hour == 2.99  # defaults kept
+    assert load_prices(override, device="h100").device.usd_per_hour == load_prices(device="h100").device.usd_per_hour
     monkeypatch.setenv(PRICES_ENV, str(override))
     assert load_prices().usd_per_kwh == 0.30
 
@@ -74,7 +76,8 @@ def test_a_gpu_server_is_never_priced_at_the_cpu_rate():
     assert unknown.usd_per_hour > cpu.usd_per_hour and unknown.source
     assert load_prices(device="h100-owned", device_type="cuda").device.profile == "h100-owned"  # explicit wins
     prices = load_prices(device_name="NVIDIA H200", device_type="cuda")
-    assert prices.device_cost_usd(3600.0) == pytest.approx(3.50)  # an hour of device time at the H200 rate
+    h200_rate = load_price_table()["devices"]["h200"]["usd_per_hour"]
+    assert prices.device_cost_usd(3600.0) == pytest.approx(h200_rate)  # an hour of device time at the H200 rate
 
 
 def test_serve_selects_the_profile_from_the_cuda_device_name(monkeypatch, tmp_path):
@@ -95,3 +98,32 @@ def test_serve_selects_the_profile_from_the_cuda_device_name(monkeypatch, tmp_pa
     finally:
         accounting.meter.close()
         accounting.close()
+
+
+def test_psu_efficiency_and_its_older_spelling(tmp_path):
+    """The meter counts joules at the wall through the power supply (prices.toml psu_efficiency, the default every
+    command shares); an override may still give psu_loss_factor, its inverse, but not both."""
+    assert load_prices().psu_efficiency == pytest.approx(load_price_table()["overheads"]["psu_efficiency"])
+    assert load_prices().energy_overhead_factor == pytest.approx(load_prices().pue / load_prices().psu_efficiency)
+    both = tmp_path / "both.toml"
+    both.write_text("[overheads]\npsu_efficiency = 0.9\npsu_loss_factor = 1.1\n")
+    with pytest.raises(ValueError, match="psu_loss_factor"):
+        load_prices(both)
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[overheads]\npsu_efficiency = 1.5\n")
+    with pytest.raises(ValueError, match="overheads.psu_efficiency"):
+        load_prices(bad)
+
+
+def test_profiles_like_another_and_the_planners_cards():
+    """`like` fills in another profile's keys (the generic GPU is the a10g's rate, the owned H100 the h100's price):
+    one definition each; `catalog` ties a profile to the planner's card."""
+    from tokenfactory.meter.prices import catalog_prices, resolve_profile
+
+    table = load_price_table()["devices"]
+    assert load_prices(device="gpu").device.usd_per_hour == table["a10g"]["usd_per_hour"]
+    assert "usd_per_hour" not in table["gpu"] and "purchase_usd" not in table["h100-owned"]
+    assert resolve_profile(table, "h100-owned")["purchase_usd"] == table["h100"]["purchase_usd"]
+    cards = catalog_prices()
+    assert cards["h100-sxm"].profile == "h100" and cards["h100-sxm"].rent_usd_per_hour == table["h100"]["usd_per_hour"]
+    assert cards["rtx-4090"].host == "desktop" and cards["cpu-epyc-9654-2s"].rent_usd_per_hour is None
