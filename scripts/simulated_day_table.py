@@ -13,7 +13,7 @@ from pathlib import Path
 
 def table(runs: list[dict]) -> str:
     lines = ["| run | replicas min/mean/max | TTFT p50/p99 s | TPOT p50/p99 ms | SLO attainment | J/token | kWh/Mtok "
-             "| $/Mtok (rent + energy) | scale changes | sim wall s |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| $/Mtok (rent) | scale changes | sim wall s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         lines.append(f"| {r['label']} | {r['replicas_min']}/{r['replicas_mean']:.1f}/{r['replicas_max']} | "
                      f"{r['ttft_p50_s']:.3f}/{r['ttft_p99_s']:.3f} | {1000 * r['tpot_p50_s']:.1f}/"

@@ -182,7 +182,7 @@ def test_simulate_command_side_by_side_json_and_plot(tmp_path: Path, capsys: pyt
             "--router", "least-work,energy", "--model", "Llama-3.1-8B", "--device", "H100-SXM"]
     assert main([*args, "--plot", str(tmp_path / "sim.png")]) == 0
     table = capsys.readouterr().out
-    assert "least-work / static / 1" in table and "energy / static / 2" in table and "$/Mtok" in table
+    assert "least-work / static / 1" in table and "energy / static / 2" in table and "USD/Mtok (rent)" in table
     assert (tmp_path / "sim.png").stat().st_size > 10_000
     assert main([*args, "--json", "--autoscaler", "slo", "--trace", "diurnal", "--period", "600",
                  "--peak-rate", "30", "--trough-rate", "1"]) == 0

@@ -17,7 +17,9 @@ STATUS_HELP = "a running server's replicas, routing and autoscaler decisions"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("simulate", help=SIM_HELP, description=SIM_HELP)
+    from tokenfactory.levers import HelpFormatter
+
+    p = subparsers.add_parser("simulate", help=SIM_HELP, description=SIM_HELP, formatter_class=HelpFormatter)
     _add_trace_args(p)
     _add_fleet_args(p)
     out = p.add_argument_group("output")
@@ -37,6 +39,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _add_trace_args(p: argparse.ArgumentParser) -> None:
+    from tokenfactory.levers import OUTPUT_TOKENS, PROMPT_TOKENS, add_lever
+
     g = p.add_argument_group("trace")
     g.add_argument("--trace", default="poisson",
                    help="poisson, bursty (gamma, --cv), diurnal (--peak-rate/--trough-rate over --period), or a "
@@ -47,36 +51,55 @@ def _add_trace_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trough-rate", type=float, default=2.0, help="diurnal: requests/s at the trough")
     g.add_argument("--period", type=float, default=86_400.0, help="diurnal: seconds per cycle (a day)")
     g.add_argument("--duration", type=float, help="seconds of trace (default: 600; a period for diurnal)")
-    g.add_argument("--prompt-tokens", type=float, default=512.0)
-    g.add_argument("--output-tokens", type=float, default=256.0)
+    add_lever(g, "prompt_tokens", type=float, default=PROMPT_TOKENS)
+    add_lever(g, "output_tokens", type=float, default=OUTPUT_TOKENS)
     g.add_argument("--spread", action="store_true", help="exponential lengths around the means (default: fixed)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="random seed of the trace (the same seed, the same trace)")
 
 
 def _add_fleet_args(p: argparse.ArgumentParser) -> None:
+    from tokenfactory.levers import add_lever, engine_default
+    from tokenfactory.meter.prices import shared_defaults
+
     g = p.add_argument_group("fleet and policies (comma lists run side by side)")
     g.add_argument("--model", default="Llama-3.1-8B", help="a catalog model, config.json or .gguf")
     g.add_argument("--device", default="H100-SXM",
                    help="catalog device(s); with --autoscaler energy, all are options to start")
     g.add_argument("--devices", type=int, default=1, help="cards per replica (tensor parallel)")
-    g.add_argument("--precision", help="weights precision (default: the model's)")
+    add_lever(g, "quantization", default=engine_default("quantization"),
+              extra="the planner's formats too (bf16, fp8, int8, int4-g32, ...); auto: the model's own")
     g.add_argument("--calibrate", metavar="RESULT.json", help="fit the step model to a bench result first")
     g.add_argument("--replicas", default="1",
                    help="N, a list (4,8,16) or a range A..B (doubling); with an autoscaler: its --min..--max")
     g.add_argument("--max-replicas", type=int, help="autoscaler ceiling (default: the range's top, or 64)")
     g.add_argument("--router", default="least-work", help="least-work, prefix, energy (comma list)")
     g.add_argument("--autoscaler", default="none", help="none (a static fleet), slo, energy (comma list)")
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    g.add_argument("--ttft-slo", type=float, default=2.0, help="seconds, at p99")
-    g.add_argument("--tpot-slo", type=float, default=0.05, help="seconds, at p99")
-    g.add_argument("--scale-up-delay", type=float, default=30.0)
-    g.add_argument("--scale-down-delay", type=float, default=300.0)
+    add_lever(g, "max_num_seqs", type=int, default=engine_default("max_num_seqs"))
+    add_lever(g, "max_num_batched_tokens", type=int, default=engine_default("max_num_batched_tokens"))
+    from tokenfactory.fleet.autoscaler import AutoscalerConfig
+
+    scaling = AutoscalerConfig()  # serve --autoscaler's defaults: one definition (#30)
+    g.add_argument("--ttft-slo", type=float, default=scaling.slo.ttft_s, help="TTFT target at p99, seconds")
+    g.add_argument("--tpot-slo", type=float, default=scaling.slo.tpot_s, help="TPOT target at p99, seconds")
+    g.add_argument("--scale-up-delay", type=float, default=scaling.up_delay_s,
+                   help="seconds a need for more replicas must last before one starts (no flapping on bursts)")
+    g.add_argument("--scale-down-delay", type=float, default=scaling.down_delay_s,
+                   help="seconds a replica must be surplus before it is drained (longer: fewer cold starts)")
     g.add_argument("--cold-start", type=float, default=60.0, help="seconds from start to serving (charged)")
-    g.add_argument("--tick", type=float, default=5.0, help="seconds between the autoscaler's ticks")
+    g.add_argument("--autoscale-interval", "--tick", type=float, default=scaling.interval_s, dest="tick",
+                   help="seconds between the autoscaler's ticks (--tick: the older name of --autoscale-interval)")
     g.add_argument("--sample", type=float, default=60.0, help="seconds between timeline samples")
-    g.add_argument("--usd-per-kwh", type=float, default=0.15)
-    g.add_argument("--pue", type=float, default=1.2)
+    money = shared_defaults()  # meter/prices.toml: the one source of these defaults
+    m = p.add_argument_group("money (defaults: tokenfactory/meter/prices.toml; rent: each card's profile there)")
+    add_lever(m, "currency", default="USD", type=str.upper)
+    add_lever(m, "currency_per_usd", type=float)
+    add_lever(m, "electricity_per_kwh", type=float, aliases=False,
+              extra=f"the power bill the fleet would pay if owned (rent includes it); default {money.usd_per_kwh:g} "
+                    "US$/kWh")
+    m.add_argument("--electricity-usd-per-kwh", "--usd-per-kwh", type=float, dest="electricity_per_kwh_usd",
+                   help="the same in US$ (older names of --electricity-per-kwh)")
+    add_lever(m, "pue", type=float, default=money.pue)
+    add_lever(m, "psu_efficiency", type=float, default=money.psu_efficiency)
 
 
 def replica_counts(text: str) -> list[int]:
@@ -122,12 +145,13 @@ def runs(args: argparse.Namespace) -> list[tuple[str, Any]]:
     from tokenfactory.fleet.sim_model import planner_spec
     from tokenfactory.fleet.simulator import SimConfig
 
-    specs = [planner_spec(args.model, device.strip(), devices=args.devices, precision=args.precision,
+    specs = [planner_spec(args.model, device.strip(), devices=args.devices, precision=_precision(args.quantization),
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
                           tpot_slo_s=args.tpot_slo, cold_start_s=args.cold_start, calibrate=args.calibrate)
              for device in args.device.split(",")]
     counts = replica_counts(args.replicas)
+    usd_per_kwh = usd_per_kwh_from(args)
     out = []
     for router, scaler in itertools.product(args.router.split(","), args.autoscaler.split(",")):
         scaler = None if scaler in ("none", "static") else scaler
@@ -139,8 +163,26 @@ def runs(args: argparse.Namespace) -> list[tuple[str, Any]]:
                                        interval_s=args.tick)
             label = f"{router} / {scaler or 'static'} / " + (f"{lo}..{hi}" if scaler else f"{lo}")
             out.append((label, SimConfig(specs, lo, router, False, scaler, scaling, args.tick, args.sample,
-                                         args.usd_per_kwh, args.pue)))
+                                         usd_per_kwh, args.pue, args.psu_efficiency)))
     return out
+
+
+def _precision(quantization: str | None) -> str | None:
+    return None if quantization in (None, "auto", "none") else quantization
+
+
+def usd_per_kwh_from(args: argparse.Namespace) -> float:
+    """The simulator counts in US$: --electricity-per-kwh (in --currency) converted, or its US$ spelling, or the
+    prices file's."""
+    from tokenfactory.meter.prices import shared_defaults
+    from tokenfactory.planner.cost import currency_for
+
+    given, usd = getattr(args, "electricity_per_kwh", None), getattr(args, "electricity_per_kwh_usd", None)
+    if given is not None and usd is not None:
+        raise ValueError("--electricity-per-kwh and its US$ spelling were both given: keep one")
+    if given is not None:
+        return given / currency_for(args.currency, args.currency_per_usd).per_usd
+    return usd if usd is not None else shared_defaults().usd_per_kwh
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -165,7 +207,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         return 0
     spec = runs_spec_line(args, trace)
     print(spec)
-    print(render(results))
+    from tokenfactory.planner.cost import currency_for
+
+    print(render(results, currency_for(args.currency, args.currency_per_usd)))
     if args.decisions:
         for label, result, _ in results:
             print(f"\n{label}:\n" + ("\n".join(result.decisions) or "  (no changes)"))
@@ -181,25 +225,28 @@ def runs_spec_line(args: argparse.Namespace, trace: Sequence[Any]) -> str:
             f"energy modelled (planner)")
 
 
-COLUMNS = (("run", "{}"), ("replicas min/mean/max", "{}"), ("TTFT p50/p99 s", "{}"), ("TPOT p50/p99 ms", "{}"),
-           ("SLO %", "{:.1f}"), ("tok/s", "{:,.0f}"), ("J/tok", "{:.3f}"), ("kWh/Mtok", "{:.3f}"),
-           ("$/Mtok", "{:.3f}"), ("idle %", "{:.1f}"), ("sim s", "{:.1f}"))
+COLUMNS = ("run", "replicas min/mean/max", "TTFT p50/p99 s", "TPOT p50/p99 ms", "SLO %", "tok/s", "J/tok", "kWh/Mtok",
+           "{code}/Mtok (rent)", "idle %", "sim s")
 
 
-def render(results: Sequence[tuple[str, Any, float]]) -> str:
+def render(results: Sequence[tuple[str, Any, float]], currency: Any = None) -> str:
+    """The runs side by side; money in `currency` (planner/cost.py Currency; US$ when None)."""
+    per_usd, code = (currency.per_usd, currency.code) if currency is not None else (1.0, "USD")
+    columns = [c.format(code=code) for c in COLUMNS]
     rows = []
     for label, result, wall in results:
         s = result.summary()
+
         def f(x: float | None, scale: float = 1.0, fmt: str = "{:.3f}") -> str:
             return "-" if x is None else fmt.format(x * scale)
         rows.append([label, f"{s['replicas_min']}/{s['replicas_mean']:.1f}/{s['replicas_max']}",
                      f"{f(s['ttft_p50_s'])}/{f(s['ttft_p99_s'])}",
                      f"{f(s['tpot_p50_s'], 1000, '{:.1f}')}/{f(s['tpot_p99_s'], 1000, '{:.1f}')}",
                      f(s["slo_attainment"], 100, "{:.1f}"), f(s["output_tokens_per_s"], 1, "{:,.0f}"),
-                     f(s["joules_per_token"]), f(s["kwh_per_mtok"]), f(s["usd_per_mtok"]),
+                     f(s["joules_per_token"]), f(s["kwh_per_mtok"]), f(s["usd_per_mtok"], per_usd),
                      f(s["idle_energy_share"], 100, "{:.1f}"), f"{wall:.1f}"])
-    widths = [max(len(c[0]), *(len(r[i]) for r in rows)) for i, c in enumerate(COLUMNS)]
-    line = "  ".join(c[0].ljust(w) for c, w in zip(COLUMNS, widths, strict=True))
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
+    line = "  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))
     return "\n".join([line, *("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in rows)])
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tokenfactory.fleet.autoscaler import ReplicaOption
+from tokenfactory.levers import OUTPUT_TOKENS, PROMPT_TOKENS, engine_default
 
 
 class StepCost(Protocol):
@@ -68,8 +69,8 @@ class ReplicaSpec:
     step: StepCost
     idle_w: float
     busy_w: float  # the router's view: waking it costs busy − idle
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = engine_default("max_num_seqs")
+    max_num_batched_tokens: int = engine_default("max_num_batched_tokens")
     kv_capacity_tokens: int = 10**9
     usd_per_hour: float = 0.0
     cold_start_s: float = 60.0
@@ -87,8 +88,10 @@ class ReplicaSpec:
 
 
 def planner_spec(model: str, device: str, *, devices: int = 1, precision: str | None = None, kv_dtype: str = "auto",
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
-                 prompt_tokens: float = 512, output_tokens: float = 256, tpot_slo_s: float = 0.1,
+                 max_num_seqs: int = engine_default("max_num_seqs"),
+                 max_num_batched_tokens: int = engine_default("max_num_batched_tokens"),
+                 max_model_len: int | None = None,
+                 prompt_tokens: float = PROMPT_TOKENS, output_tokens: float = OUTPUT_TOKENS, tpot_slo_s: float = 0.1,
                  cold_start_s: float = 60.0, calibrate: str | None = None, name: str | None = None) -> ReplicaSpec:
     """A replica of `model` on `devices` x `device` from the planner's catalog (calibrated by a bench result)."""
     from dataclasses import replace
@@ -111,8 +114,8 @@ def planner_spec(model: str, device: str, *, devices: int = 1, precision: str | 
         cal = fit(load_bench_result(calibrate), StepModel(hw, spec, weights, kv))
         hw = replace(hw, efficiency=cal.efficiency, power=cal.power)
     steps = StepModel(hw, spec, weights, kv)
-    max_len = max_model_len or min(spec.config.max_position_embeddings, 8192)
-    memory = plan_memory(hw, spec, weights, kv, max_len, max_num_seqs, max_num_batched_tokens)
+    # max_model_len None: the engine's rule (the model's context, capped at what the KV cache holds).
+    memory = plan_memory(hw, spec, weights, kv, max_model_len, max_num_seqs, max_num_batched_tokens)
     if not memory.weights_fit:
         raise ValueError(f"{spec.name} does not fit on {devices} x {dev.name}")
     workload = Workload(prompt_tokens, output_tokens)

@@ -14,7 +14,10 @@ arrival mid-run cuts the run at the end of the step under way, as the real sched
 
 Energy per replica: each step's modelled power x its time (busy), idle watts while ready or draining with
 nothing to do (idle), idle watts through each cold start (charged to the fleet, as its minutes are rented).
-Dollars: rent for every replica-hour provisioned (starting to stopped) + energy x PUE x $/kWh.
+Dollars: on-demand rent for every replica-hour provisioned (starting to stopped), which pays for the power too
+(the planner's one way: a rented card's rate includes its electricity). The energy's own price at the wall
+(energy / PSU efficiency x PUE x $/kWh, the defaults of meter/prices.toml) is reported beside it: what owning the
+same fleet would pay for power.
 This file is past 400 lines because the event loop, the replica and the pool share one clock and one queue.
 """
 
@@ -32,6 +35,7 @@ from tokenfactory.fleet.autoscaler import AutoscalerConfig, Controller, LatencyW
 from tokenfactory.fleet.router import ReplicaView, RouteRequest, RoutingPolicy, StepModel, make_router
 from tokenfactory.fleet.sim_model import ReplicaSpec
 from tokenfactory.fleet.traces import SimRequest
+from tokenfactory.meter.prices import shared_defaults
 
 
 @dataclass
@@ -104,8 +108,9 @@ class SimConfig:
     scaling: AutoscalerConfig = field(default_factory=AutoscalerConfig)
     tick_s: float = 1.0
     sample_s: float = 60.0
-    usd_per_kwh: float = 0.15
-    pue: float = 1.2
+    usd_per_kwh: float = field(default_factory=lambda: shared_defaults().usd_per_kwh)  # meter/prices.toml's
+    pue: float = field(default_factory=lambda: shared_defaults().pue)
+    psu_efficiency: float = field(default_factory=lambda: shared_defaults().psu_efficiency)
     latency_window_s: float = 60.0
     client_overhead_s: float = 0.0  # HTTP, tokenization, IPC: added to every TTFT and end-to-end latency
 
@@ -520,7 +525,7 @@ class SimResult:
         met = ttft_ok & tpot_ok
         mtok = self.num_tokens / 1e6
         kwh = self.energy_j / 3.6e6
-        energy_usd = kwh * self.config.pue * self.config.usd_per_kwh
+        energy_usd = kwh / self.config.psu_efficiency * self.config.pue * self.config.usd_per_kwh  # at the wall
         def pct(a: np.ndarray, p: float) -> float | None:
             a = a[~np.isnan(a)]
             return float(np.percentile(a, p)) if len(a) else None
@@ -543,7 +548,7 @@ class SimResult:
             "idle_energy_share": (self.idle_j + self.cold_start_j) / self.energy_j if self.energy_j else None,
             "joules_per_token": self.energy_j / self.num_tokens if self.num_tokens else None,
             "kwh_per_mtok": kwh / mtok if mtok else None,
-            "usd_per_mtok": (self.rent_usd + energy_usd) / mtok if mtok else None,
-            "energy_usd_per_mtok": energy_usd / mtok if mtok else None,
+            "usd_per_mtok": self.rent_usd / mtok if mtok else None,  # on-demand rent, power included
+            "energy_usd_per_mtok": energy_usd / mtok if mtok else None,  # the power bill if the fleet were owned
             "rent_usd": self.rent_usd, "events": self.num_events, "scale_changes": len(self.decisions),
         }
