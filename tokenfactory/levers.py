@@ -57,9 +57,9 @@ LEVERS: dict[str, Lever] = {lever.dest: lever for lever in (
           "activations and unquantized weights: auto is bfloat16 on CUDA and on CPUs with native bf16 dot products "
           "(AVX-512 BF16, AMX), else float32. 16-bit halves the bytes every token reads"),
     Lever("--quantization",
-          "weight format: auto (a GGUF file keeps its own), none, int8, int4, int4-g64, ...: int8 halves and int4 "
-          "quarters the bytes each decode step streams (decode is bandwidth-bound), at some quality cost; check "
-          "it with `tokenfactory eval`", aliases=("--precision",)),
+          "weight format: auto (a GGUF or GPTQ/AWQ file keeps its own), none, int8, int4, int4-g64, ...: int8 "
+          "halves and int4 quarters the bytes each decode step streams (decode is bandwidth-bound), at some quality "
+          "cost; check it with `tokenfactory eval`", aliases=("--precision",)),
     Lever("--kv-cache-dtype",
           "KV-cache storage: auto (the model's dtype), int8 or fp8 (one byte a value plus a float16 scale per head "
           "and token): about twice the tokens in the same memory, so twice the sequences or context",

@@ -160,7 +160,7 @@ def test_queueing_at_max_num_seqs_with_kv_room():
                                         d_energy={"nvml": 400.0}))
     f = _only(findings, "Requests are queueing")
     assert "30 waiting, 64 running" in f.message and "mean queue time 2.0 s" in f.message
-    assert "raise max_num_seqs" in f.message
+    assert "raise --max-num-seqs" in f.message
 
 
 def test_low_batch_occupancy():
@@ -208,7 +208,7 @@ def test_unreachable_url_is_a_clear_message():
 
 def test_a_server_without_tokenfactory_metrics_is_named():
     with MetricsServer([], body=b"# TYPE other_metric gauge\nother_metric 1\n") as server:
-        with pytest.raises(MetricsUnavailable, match="no tokenfactory: metrics"):
+        with pytest.raises(MetricsUnavailable, match="no tokenfactory: metrics, nor those of vLLM, SGLang"):
             diagnose_url(server.url, interval_s=0)
     with MetricsServer([], body=b"<html>not metrics {{{</html>\n") as server:
         with pytest.raises(MetricsUnavailable):

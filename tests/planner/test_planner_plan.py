@@ -6,16 +6,19 @@ import pytest
 
 from tokenfactory.planner.calibrate import calibrate, load_bench_result
 from tokenfactory.planner.catalog import load_catalog
-from tokenfactory.planner.cost import Prices
+from tokenfactory.planner.core import SLO, Demand, PlanRequest
+from tokenfactory.planner.cost import Currency, Prices
 from tokenfactory.planner.hardware import Efficiency, hardware_from_catalog
 from tokenfactory.planner.memory import resolve_weights
 from tokenfactory.planner.modelsrc import load_model
 from tokenfactory.planner.perf import StepModel, Workload
-from tokenfactory.planner.plan import SLO, Demand, PlanRequest, make_plan
+from tokenfactory.planner.plan import make_plan
+from tokenfactory.planner.precision import KVDtype
 from tokenfactory.planner.report import plan_to_dict, render_plan
 
-PRICES = Prices(electricity_usd_per_kwh=0.13, pue=1.56, lifetime_years=5, utilisation=0.5,
-                rent_usd_per_hour=2.69, purchase_usd=30_000)
+PRICES = Prices(Currency(), electricity_per_kwh=0.13, pue=1.56, psu_efficiency=0.92, lifetime_years=5,
+                utilisation=0.5, rent_per_hour=2.69, reserved_per_hour=1.75, purchase_price=30_000)
+BF16 = KVDtype("bf16", 2)
 
 
 @pytest.fixture(scope="module")
@@ -30,12 +33,14 @@ def _plan(catalog, model="Llama-3.1-8B", device="H100-SXM", cards=1, **kwargs):
 
 
 def test_plan_for_a_model_that_fits(catalog):
-    plan = _plan(catalog, max_model_len=4096, concurrency=32, demand=Demand(5e6, 8))
+    plan = _plan(catalog, max_model_len=4096, max_num_seqs=32, demand=Demand(5e6, 8))
     assert plan.memory.fits and plan.effective_batch == 32
     assert plan.serving is not None and plan.serving.batch_size == 32
     assert plan.tpot_s == plan.serving.seconds and plan.ttft_s > plan.prefill.seconds
     assert plan.fleet.replicas == 1 and plan.fleet.tokens_per_s_per_replica == plan.serving.tokens_per_s
-    assert plan.cost.rent_usd_per_mtok == pytest.approx(2.69 / (plan.serving.tokens_per_s * 3600 * 0.5 / 1e6))
+    # On demand pays the busy hours only: the same per token at any utilisation; reserved pays every hour.
+    assert plan.cost.on_demand_per_mtok == pytest.approx(2.69 / (plan.serving.tokens_per_s * 3600 / 1e6))
+    assert plan.cost.reserved_per_mtok == pytest.approx(1.75 / (plan.serving.tokens_per_s * 3600 * 0.5 / 1e6))
     assert any("memory-bound at batch 32" in r for r in plan.recommendations)  # a bigger batch pays
     text = render_plan(plan)
     for needle in ("Memory (per card)", "128 KiB/token", "Decode speed", "Fleet", "Cost", "Advice", "Factors"):
@@ -56,16 +61,17 @@ def test_plan_for_a_model_that_does_not_fit_says_what_to_change(catalog):
 
 
 def test_fp8_kv_and_shorter_context_advice(catalog):
-    plan = _plan(catalog, model="Llama-3.1-8B", device="RTX-4090", max_model_len=8192, concurrency=64)
+    plan = _plan(catalog, model="Llama-3.1-8B", device="RTX-4090", max_model_len=8192, max_num_seqs=64)
     text = " ".join(plan.recommendations)
     assert "sequences fit in the KV cache" in text and "--kv-cache-dtype int8" in text
     kv_fp8 = _plan(catalog, model="Llama-3.1-8B", device="RTX-4090", max_model_len=8192, kv_dtype="fp8")
-    assert kv_fp8.memory.kv_capacity_tokens == pytest.approx(2 * plan.memory.kv_capacity_tokens, rel=0.01)
+    # One byte a value and a 2-byte scale per head of 128: 2 x 128 / 130 the tokens of bf16.
+    assert kv_fp8.memory.kv_capacity_tokens == pytest.approx(2 * 128 / 130 * plan.memory.kv_capacity_tokens, rel=0.002)
 
 
 def test_tpot_slo_caps_the_batch(catalog):
-    free = _plan(catalog, max_model_len=4096, concurrency=256)
-    slo = _plan(catalog, max_model_len=4096, concurrency=256, slo=SLO(tpot_s=0.015))
+    free = _plan(catalog, max_model_len=4096, max_num_seqs=256)
+    slo = _plan(catalog, max_model_len=4096, max_num_seqs=256, slo=SLO(tpot_s=0.015))
     assert slo.effective_batch < free.effective_batch
     assert slo.serving.seconds <= 0.015
     assert "TPOT SLO" in slo.notes[0]
@@ -87,7 +93,7 @@ def _synthetic_bench(tmp_path, catalog, bandwidth, compute, shape="results"):
     """A bench result the model itself produces with known factors (and known power)."""
     model = load_model("Llama-3.1-8B", catalog)
     hw = hardware_from_catalog(catalog, catalog.device("H100-SXM"))
-    truth = StepModel(hw.with_efficiency(Efficiency(bandwidth, compute)), model, resolve_weights(model, "bf16"), 2)
+    truth = StepModel(hw.with_efficiency(Efficiency(bandwidth, compute)), model, resolve_weights(model, "bf16"), BF16)
     wl = Workload(256, 256)
     rows = [{"batch_size": b, "output_tokens_per_s": truth.serving(b, wl).tokens_per_s,
              "power_w": truth.serving(b, wl).power_w} for b in (1, 8, 32, 128, 512)]
@@ -96,7 +102,7 @@ def _synthetic_bench(tmp_path, catalog, bandwidth, compute, shape="results"):
     body = {**config, "results": rows} if shape == "results" else {"config": config, "figures": rows}
     path = tmp_path / f"bench-{shape}.json"
     path.write_text(json.dumps(body))
-    return path, StepModel(hw, model, resolve_weights(model, "bf16"), 2)
+    return path, StepModel(hw, model, resolve_weights(model, "bf16"), BF16)
 
 
 @pytest.mark.parametrize("shape", ["results", "figures"])
@@ -137,7 +143,7 @@ def test_calibration_keeps_what_batch_one_cannot_identify(tmp_path, catalog):
                                 "results": [{"concurrency": 1, "output_throughput": 104.9}]}))
     model = load_model("Llama-2-7B", catalog)
     hw = hardware_from_catalog(catalog, catalog.device("A100-80GB"))
-    cal = calibrate(load_bench_result(path), StepModel(hw, model, resolve_weights(model, "bf16"), 2))
+    cal = calibrate(load_bench_result(path), StepModel(hw, model, resolve_weights(model, "bf16"), BF16))
     assert cal.fitted == ("bandwidth",) and cal.kept == ("compute",)
     assert cal.efficiency.compute == hw.efficiency.compute
     assert cal.efficiency.bandwidth == pytest.approx(0.69, abs=0.02)  # gpt-fast: 1,397 of 2,039 GB/s

@@ -23,6 +23,7 @@ from tokenfactory.planner.hardware import hardware_from_catalog
 from tokenfactory.planner.memory import plan_memory, resolve_weights
 from tokenfactory.planner.modelsrc import load_model
 from tokenfactory.planner.perf import StepModel, Workload
+from tokenfactory.planner.precision import KVDtype
 
 TOLERANCE = 0.25
 
@@ -46,6 +47,7 @@ MLENERGY_8B_H100 = {16: (1954, 0.2627), 32: (3391, 0.1651), 64: (5147, 0.1186), 
 MLENERGY_70B_4XH100 = {16: (862.6, 2.091), 32: (1486.7, 1.2069), 64: (2510.5, 0.7972), 96: (3244.3, 0.6478),
                        128: (3876.3, 0.5634), 192: (4461.2, 0.514), 256: (4915.1, 0.479), 384: (5318.8, 0.4406)}
 LMARENA = Workload(prompt_tokens=500, output_tokens=717)
+BF16 = KVDtype("bf16", 2)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +59,7 @@ def catalog():
 def test_gpt_fast_batch_1_on_a100(catalog, model_name, precision, cards, measured):
     model = load_model(model_name, catalog)
     hw = hardware_from_catalog(catalog, catalog.device("A100-80GB"), cards)
-    predicted = StepModel(hw, model, resolve_weights(model, precision), 2).decode(1, 200).tokens_per_s
+    predicted = StepModel(hw, model, resolve_weights(model, precision), BF16).decode(1, 200).tokens_per_s
     assert predicted == pytest.approx(measured, rel=TOLERANCE), f"{predicted:.1f} vs {measured}"
 
 
@@ -65,9 +67,9 @@ def _serving_curve(catalog, model_name, cards, workload):
     model = load_model(model_name, catalog)
     hw = hardware_from_catalog(catalog, catalog.device("H100-SXM"), cards)
     weights = resolve_weights(model, "bf16")
-    mem = plan_memory(hw, model, weights, 2, 4096, 1024, 2048)
+    mem = plan_memory(hw, model, weights, BF16, 4096, 1024, 2048)
     kv_limit = mem.max_seqs(workload.prompt_tokens + workload.output_tokens)
-    steps = StepModel(hw, model, weights, 2)
+    steps = StepModel(hw, model, weights, BF16)
     return lambda batch: steps.serving(min(batch, kv_limit), workload)
 
 

@@ -45,6 +45,31 @@ FIGURES = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms
            "joules_per_output_token", "energy_source", "server_rss_peak_bytes", "completed", "failed")
 
 
+def print_machine_profile(model: str | None, quantization: str = "auto", dtype: str = "auto",
+                          threads: int | None = None, remeasure: bool = False, as_json: bool = False) -> int:
+    """`tokenfactory doctor --machine`: this machine's profile for `model`, through the engine's own start-up path
+    (load, place, profile), so what it prints is what `serve` would use. Here and not in the planner, which builds
+    no engine. The planner's weight formats (bf16, fp16, fp32) mean no quantization at that dtype."""
+    import torch
+
+    from tokenfactory.config import EngineConfig
+    from tokenfactory.engine.engine import LLMEngine
+
+    as_dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+    if quantization in as_dtype:
+        quantization, dtype = "none", as_dtype[quantization]
+    if threads is not None:
+        torch.set_num_threads(threads)
+    engine = LLMEngine(EngineConfig(model=model, quantization=quantization, dtype=dtype, kv_cache_memory=16 << 20,
+                                    max_model_len=256, machine_profile="remeasure" if remeasure else "auto"))
+    profile = engine.machine_profile
+    if profile is None:
+        print(f"no machine profile: the engine runs on {engine.device}, which keeps its built-in constants")
+        return 0
+    print(json.dumps(profile.to_json(), indent=2) if as_json else "\n".join(profile.describe()))
+    return 0
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", default="tokenfactory,llama-server,vllm",
                    help="engines to serve, of tokenfactory, llama-server, vllm (those not on PATH are skipped)")

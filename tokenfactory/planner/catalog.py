@@ -5,6 +5,9 @@ The bundled files live in `tokenfactory/planner/data/` (TOML). Users extend or o
 `--catalog PATH`, where PATH is a TOML or JSON file of the same schema, or a directory of such files;
 later files win by (case-insensitive) name. A file may hold `[[device]]`, `[[model]]`,
 `[[efficiency]]` (per-device factor overrides) and `[sources]` (short keys for long citations).
+
+A bundled card's rent and purchase price come from the meter's prices file (meter/prices.toml, the profile whose
+`catalog` names it): one definition for the bill a server writes and the plan made before it.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import json
 import tomllib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
 from typing import Any, TypeVar
@@ -60,6 +63,7 @@ class Device:
     price_usd: Sourced | None = None
     rent_usd_per_hour: Sourced | None = None
     aliases: tuple[str, ...] = ()
+    host: str = "server"  # the machine around the card: a key of defaults.toml [host.*]
 
     @property
     def memory_bytes(self) -> int:
@@ -138,14 +142,33 @@ def _bundled() -> Catalog:
 
 
 def load_catalog(extra: Iterable[str | Path] = ()) -> Catalog:
-    """The bundled catalog, extended by each file or directory in `extra` (later wins by name)."""
+    """The bundled catalog, extended by each file or directory in `extra` (later wins by name), its cards priced
+    from the meter's prices file where their own entry gives no price."""
     paths = [Path(p) for p in extra]
     if not paths:
-        return _bundled()
+        return _priced(_bundled())
     raw = [_read_file(DATA_DIR / f) for f in BUNDLED_FILES]
     for path in paths:
         raw.extend(_read_file(f) for f in _catalog_files(path))
-    return _merge(raw)
+    return _priced(_merge(raw))
+
+
+def _priced(catalog: Catalog) -> Catalog:
+    from tokenfactory.meter.prices import catalog_prices  # the one source of money figures (#30)
+
+    prices = catalog_prices()
+    priced: dict[int, Device] = {}
+    for dev in {id(d): d for d in catalog.devices.values()}.values():
+        p = prices.get(dev.name.lower())
+        if p is None:
+            continue
+        rent = dev.rent_usd_per_hour or (Sourced(p.rent_usd_per_hour, p.rent_source, p.rent_as_of)
+                                         if p.rent_usd_per_hour is not None else None)
+        price = dev.price_usd or (Sourced(p.purchase_usd, p.purchase_source, p.purchase_as_of)
+                                  if p.purchase_usd is not None else None)
+        priced[id(dev)] = replace(dev, rent_usd_per_hour=rent, price_usd=price)
+    devices = {k: priced.get(id(d), d) for k, d in catalog.devices.items()}
+    return replace(catalog, devices=devices)
 
 
 def _catalog_files(path: Path) -> list[Path]:
@@ -195,7 +218,7 @@ def _merge(files: list[_RawFile]) -> Catalog:
             model = _parse_model(entry, ctx)
             for key in (model.name, *model.aliases):
                 models[key.lower()] = model
-        for section in ("efficiency", "kernel_bandwidth", "tensor_parallel", "power", "runtime", "prices"):
+        for section in ("efficiency", "kernel_bandwidth", "tensor_parallel", "power", "runtime", "host"):
             _merge_defaults(raw.data.get(section), section, ctx, defaults, overrides)
     return Catalog(devices, models, defaults, overrides, tuple(str(f.path) for f in files))
 
@@ -212,10 +235,10 @@ def _merge_defaults(section_data: Any, section: str, ctx: _Ctx, defaults: dict[s
         return
     if not isinstance(section_data, dict):
         raise CatalogError(f"catalog file {ctx.path}: [{section}] must be a table")
-    if section == "efficiency":  # [efficiency.gpu], [efficiency.cpu]
+    if section in ("efficiency", "host"):  # [efficiency.gpu], [efficiency.cpu]; [host.server], [host.desktop]
         for kind, table in section_data.items():
-            defaults.setdefault(f"efficiency.{kind}", {}).update(
-                {k: ctx.number(table, k, f"efficiency.{kind}") for k in table})
+            defaults.setdefault(f"{section}.{kind}", {}).update(
+                {k: ctx.number(table, k, f"{section}.{kind}") for k in table})
         return
     defaults.setdefault(section, {}).update({k: ctx.number(section_data, k, section) for k in section_data})
 
@@ -273,10 +296,12 @@ def _parse_device(entry: Mapping[str, Any], ctx: _Ctx) -> Device:
     for key, item in {**num, **flops}.items():
         if item.value <= 0:
             raise CatalogError(f"catalog file {ctx.path}: {where}.{key} must be > 0, got {item.value}")
+    host = str(entry.get("host", "server" if kind == "gpu" else "none"))
     return Device(name=name, kind=kind, description=str(entry.get("description", name)),
                   memory_gib=num["memory_gib"], bandwidth_gbps=num["bandwidth_gbps"], flops=flops,
                   tdp_w=num["tdp_w"], idle_w=num["idle_w"], price_usd=optional["price_usd"],
-                  rent_usd_per_hour=optional["rent_usd_per_hour"], aliases=tuple(entry.get("aliases", ())))
+                  rent_usd_per_hour=optional["rent_usd_per_hour"], aliases=tuple(entry.get("aliases", ())),
+                  host=host)
 
 
 _MODEL_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",

@@ -1,13 +1,16 @@
 """Pre-flight: before a server loads a model, say precisely what does not fit and what to change.
 
-    findings = preflight(model, device="cuda:0", dtype_bytes=2, max_model_len=8192, kv_cache_bytes=None,
+    findings = preflight(model, device="cuda:0", dtype_bytes=2, max_model_len=None, kv_cache_bytes=None,
                          free_memory_bytes=torch.cuda.mem_get_info()[0], max_num_seqs=64)
-    raise_on_errors(findings)   # PreflightError (a ValueError) with every error paragraph
+    raise_on_errors(findings)   # PreflightError (a ValueError) with the error paragraph
 
 Each check is a function in CHECKS returning Findings; a Finding is one paragraph with numbers and
-the change to make, plus its evidence as numbers. The KV cache's dtype follows the activations:
-dtype_bytes if >= 2, else 2 (quantised weights still cache K/V in 16-bit), unless `kv_cache_dtype` is int8
-or fp8: one byte a value plus a 2-byte scale per KV head and token (tokenfactory.layers.kv_quant). When the
+the change to make, plus its evidence as numbers. The checks run in order and the first error ends them: every
+later check assumes the earlier ones passed (a summary that says "Fits" after an error would contradict it).
+max_model_len None is the engine's rule (config.py `default_max_model_len`): the model's context, capped at what
+the KV cache holds, and said so. The KV cache's dtype follows the activations: dtype_bytes if >= 2, else 2
+(quantised weights still cache K/V in 16-bit), unless `kv_cache_dtype` is int8 or fp8: one byte a value plus a
+2-byte scale per KV head and token, in config.py's one accounting (the engine's pool counts the same). When the
 KV cache is what limits, the findings name `--kv-cache-dtype int8` and what it would hold.
 """
 
@@ -16,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from tokenfactory.config import ModelConfig
+from tokenfactory.config import ModelConfig, default_max_model_len
 from tokenfactory.planner.catalog import GIB
 from tokenfactory.planner.memory import BLOCK_SIZE, round_up
 from tokenfactory.planner.precision import PRECISIONS, dtype_label
@@ -61,13 +64,14 @@ class _Ctx:
     model: ModelConfig
     device: str
     dtype_bytes: float
-    max_model_len: int
+    max_model_len_given: int | None  # None: the engine's default rule
     kv_cache_bytes: int | None
     free_memory_bytes: int
     max_num_seqs: int
     weights_bytes: int
     kv_cache_dtype: str = "auto"
     weights_bytes_without_copy: int | None = None  # quantized layers without their dense copy (on-the-fly)
+    reserve_bytes_given: int | None = None  # None: the device's runtime reserve (GPU_RESERVE_BYTES / 0 on a CPU)
 
     @property
     def kv_dtype_bytes(self) -> int:
@@ -75,9 +79,15 @@ class _Ctx:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        if self.kv_cache_dtype in KV_8BIT:
-            return kv8_bytes_per_token(self.model)
-        return self.model.kv_bytes_per_token(self.kv_dtype_bytes)
+        return self.model.kv_bytes_per_token(self.kv_dtype_bytes, self.kv_cache_dtype)
+
+    @property
+    def max_model_len(self) -> int:
+        """As given, or the engine's default: the model's context capped at the tokens the cache holds."""
+        if self.max_model_len_given is not None:
+            return self.max_model_len_given
+        context = self.model.max_position_embeddings
+        return default_max_model_len(context, self.kv_tokens) if self.kv_tokens >= BLOCK_SIZE else context
 
     def kv_tokens_at(self, bytes_per_token: int) -> int:
         return self.kv_bytes // (bytes_per_token * BLOCK_SIZE) * BLOCK_SIZE
@@ -86,12 +96,14 @@ class _Ctx:
         """' or --kv-cache-dtype int8 (N tokens)' when an 8-bit cache is not in use yet; '' otherwise."""
         if self.kv_cache_dtype in KV_8BIT:
             return ""
-        tokens = self.kv_tokens_at(kv8_bytes_per_token(self.model))
+        tokens = self.kv_tokens_at(self.model.kv_bytes_per_token(self.kv_dtype_bytes, "int8"))
         fits = "enough" if tokens >= need_tokens else "not enough alone"
         return f", or use --kv-cache-dtype int8 (the same memory holds {count(tokens)} tokens: {fits})"
 
     @property
     def reserve_bytes(self) -> int:
+        if self.reserve_bytes_given is not None:
+            return self.reserve_bytes_given
         return CPU_RESERVE_BYTES if self.device.lower().startswith("cpu") else GPU_RESERVE_BYTES
 
     @property
@@ -115,38 +127,35 @@ Check = Callable[[_Ctx], list[Finding]]
 KV_8BIT = ("int8", "fp8")
 
 
-def kv8_bytes_per_token(model: ModelConfig) -> int:
-    """An 8-bit KV cache: 2 (K, V) · layers · kv_heads · (head_dim values of 1 byte + a float16 scale)."""
-    return 2 * model.num_layers * model.num_kv_heads * (model.head_dim + 2)
-
-
-def preflight(model: ModelConfig, *, device: str, dtype_bytes: float, max_model_len: int,
+def preflight(model: ModelConfig, *, device: str, dtype_bytes: float, max_model_len: int | None,
               kv_cache_bytes: int | None, free_memory_bytes: int, max_num_seqs: int,
               weights_bytes: int | None = None, kv_cache_dtype: str = "auto",
-              weights_bytes_without_copy: int | None = None) -> list[Finding]:
-    """Everything that stops `model` from serving with these settings (errors), what will hurt
-    (warnings), and a summary (info). Pure: the caller measures free memory."""
-    for name, value in (("dtype_bytes", dtype_bytes), ("max_model_len", max_model_len),
+              weights_bytes_without_copy: int | None = None, reserve_bytes: int | None = None) -> list[Finding]:
+    """What stops `model` from serving with these settings (the first error: nothing after it can be judged),
+    what will hurt (warnings) and, when it fits, a summary (info). Pure: the caller measures free memory.
+    `max_model_len` None: the engine's default; `reserve_bytes` None: the device's runtime reserve."""
+    for name, value in (("dtype_bytes", dtype_bytes), ("max_model_len", 1 if max_model_len is None else max_model_len),
                         ("max_num_seqs", max_num_seqs)):
         if value <= 0:
             raise ValueError(f"{name} must be > 0, got {value}")
-    if free_memory_bytes < 0 or (kv_cache_bytes is not None and kv_cache_bytes < 0):
-        raise ValueError("free_memory_bytes and kv_cache_bytes must be >= 0")
+    if free_memory_bytes < 0 or (kv_cache_bytes is not None and kv_cache_bytes < 0) or (reserve_bytes or 0) < 0:
+        raise ValueError("free_memory_bytes, kv_cache_bytes and reserve_bytes must be >= 0")
     ctx = _Ctx(model, device, dtype_bytes, max_model_len, kv_cache_bytes, free_memory_bytes,
                max_num_seqs, weights_bytes if weights_bytes is not None else int(model.num_params * dtype_bytes),
-               kv_cache_dtype, weights_bytes_without_copy)
-    findings = []
+               kv_cache_dtype, weights_bytes_without_copy, reserve_bytes)
+    findings: list[Finding] = []
     for check in CHECKS:
-        findings.extend(check(ctx))
-        if any(f.severity == "error" for f in findings) and check is check_weights:
-            break  # nothing else can be judged when the weights do not load
+        found = check(ctx)
+        findings.extend(found)
+        if any(f.severity == "error" for f in found):
+            break  # the verdict: every later check assumes this one passed
     order = {s: i for i, s in enumerate(SEVERITIES)}
     return sorted(findings, key=lambda f: order[f.severity])
 
 
 def check_context(ctx: _Ctx) -> list[Finding]:
     limit = ctx.model.max_position_embeddings
-    if ctx.max_model_len <= limit:
+    if ctx.max_model_len_given is None or ctx.max_model_len <= limit:
         return []
     return [Finding("error", f"max_model_len {count(ctx.max_model_len)} exceeds the model's context length "
                     f"{count(limit)} (max_position_embeddings): lower max_model_len to {count(limit)}.",
@@ -174,7 +183,7 @@ def check_weights(ctx: _Ctx) -> list[Finding]:
     return [Finding("error", f"The weights need {gib(ctx.weights_bytes)} in {dtype_label(ctx.dtype_bytes)}{reserve} "
                     f"but {gib(ctx.free_memory_bytes)} is free on {ctx.device}: {fix}.",
                     {"weights_bytes": ctx.weights_bytes, "reserve_bytes": ctx.reserve_bytes,
-                     "free_memory_bytes": ctx.free_memory_bytes, "dtype_bytes": ctx.dtype_bytes})]
+                     "free_memory_bytes": ctx.free_memory_bytes, "weight_bytes_per_param": ctx.dtype_bytes})]
 
 
 def check_kv_budget(ctx: _Ctx) -> list[Finding]:
@@ -185,6 +194,18 @@ def check_kv_budget(ctx: _Ctx) -> list[Finding]:
                     f"the runtime reserve: set kv_cache_memory to at most {gib(max(0, ctx.left_for_kv))} or "
                     "free memory on the device.",
                     {"kv_cache_bytes": ctx.kv_cache_bytes, "left_for_kv_bytes": ctx.left_for_kv})]
+
+
+def check_default_length(ctx: _Ctx) -> list[Finding]:
+    """max_model_len was not given and the cache holds less than the model's context: say what it will be."""
+    context = ctx.model.max_position_embeddings
+    if ctx.max_model_len_given is not None or ctx.kv_tokens < BLOCK_SIZE or ctx.max_model_len >= context:
+        return []
+    return [Finding("info", f"max_model_len is not given: the engine takes the model's context "
+                    f"({count(context)} tokens) capped at the {count(ctx.max_model_len)} the KV cache holds, so one "
+                    f"request can use the whole cache; pass --max-model-len to choose (shorter fits more sequences).",
+                    {"max_model_len": ctx.max_model_len, "max_position_embeddings": context,
+                     "kv_cache_tokens": ctx.kv_tokens})]
 
 
 def check_kv_holds_one_sequence(ctx: _Ctx) -> list[Finding]:
@@ -232,4 +253,4 @@ def check_summary(ctx: _Ctx) -> list[Finding]:
 
 
 CHECKS: tuple[Check, ...] = (check_context, check_weights, check_kv_budget, check_kv_holds_one_sequence,
-                             check_concurrency, check_summary)
+                             check_default_length, check_concurrency, check_summary)

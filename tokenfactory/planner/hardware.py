@@ -57,6 +57,8 @@ class Hardware:
     kernel_bandwidth: Mapping[str, float] = field(default_factory=dict)  # precision family -> factor
     runtime_overhead_bytes: int = GIB  # per card
     memory_utilization: float = 0.9  # share of a card's memory the engine may use
+    host_busy_w: float = 0.0  # per card: its share of the machine around it (defaults.toml [host.*])
+    host_idle_w: float = 0.0
 
     def __post_init__(self) -> None:
         if self.count < 1:
@@ -128,4 +130,6 @@ def hardware_from_catalog(catalog: Catalog, device: Device, count: int = 1,
         kernel_bandwidth={k: v.value for k, v in catalog.defaults.get("kernel_bandwidth", {}).items()},
         runtime_overhead_bytes=int(catalog.default("runtime", f"{kind}_overhead_gib").value * GIB),
         memory_utilization=catalog.default("runtime", f"{kind}_memory_utilization").value,
+        host_busy_w=catalog.default(f"host.{device.host}", "busy_w").value,
+        host_idle_w=catalog.default(f"host.{device.host}", "idle_w").value,
     )

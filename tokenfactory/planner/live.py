@@ -1,5 +1,6 @@
-"""Live doctor: read a running tokenfactory server's Prometheus /metrics (twice, a few seconds apart,
-to see rates) and explain a slowdown in plain words, with the numbers as evidence.
+"""Live doctor: read a running server's Prometheus /metrics (twice, a few seconds apart, to see rates) and
+explain a slowdown in plain words, with the numbers as evidence. The server may be ours, vLLM, SGLang or
+llama.cpp: dialects.py maps each one's metric names to the quantities the rules read and names its own flags.
 
 Each rule in LIVE_RULES reads a `Window` (two snapshots: counters become deltas and rates,
 histograms become means over the window) and returns Findings. With one snapshot only (interval 0)
@@ -12,10 +13,11 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from tokenfactory.planner.dialects import DIALECTS, FRACTIONS, TOKENFACTORY, Dialect, detect
 from tokenfactory.planner.doctor import Finding
 from tokenfactory.planner.units import count, ms, pct
 
-PREFIX = "tokenfactory:"
+Rows = tuple[tuple[frozenset[tuple[str, str]], float], ...]
 
 
 class MetricsUnavailable(ValueError):
@@ -24,21 +26,33 @@ class MetricsUnavailable(ValueError):
 
 @dataclass(frozen=True)
 class Snapshot:
-    """Sample name -> (labels, value) pairs, as scraped at `time_s` (time.monotonic)."""
+    """Sample name -> (labels, value) pairs, as scraped at `time_s` (time.monotonic), in one server's dialect."""
 
     time_s: float
-    samples: Mapping[str, tuple[tuple[frozenset[tuple[str, str]], float], ...]]
+    samples: Mapping[str, Rows]
+    dialect: Dialect = TOKENFACTORY
+
+    def _rows(self, quantity: str, suffix: str = "") -> Rows | None:
+        for name in self.dialect.samples(quantity):
+            if name + suffix in self.samples:
+                return self.samples[name + suffix]
+        return None
 
     def value(self, name: str, **labels: str) -> float | None:
-        """Sum of the samples called `name` (with the tokenfactory: prefix) matching `labels`."""
-        rows = self.samples.get(PREFIX + name)
+        """The quantity `name` (our name, e.g. kv_cache_usage_perc) as this server exports it, summed over the samples
+        matching `labels` (a fraction: the largest); None when the server does not export it."""
+        suffix = next((s for s in ("_sum", "_count") if name.endswith(s) and name not in self.dialect.names), "")
+        rows = self._rows(name.removesuffix(suffix), suffix) if suffix else self._rows(name)
         if rows is None:
             return None
         want = set(labels.items())
-        return sum(v for lbl, v in rows if want <= lbl and not any(k == "le" for k, _ in lbl))
+        values = [v for lbl, v in rows if want <= lbl and not any(k == "le" for k, _ in lbl)]
+        if not values:
+            return None
+        return max(values) if name in FRACTIONS else sum(values)
 
     def label_values(self, name: str, label: str) -> list[str]:
-        return sorted({v for lbl, _ in self.samples.get(PREFIX + name, ()) for k, v in lbl if k == label})
+        return sorted({v for lbl, _ in self._rows(name) or () for k, v in lbl if k == label})
 
 
 def parse_metrics(text: str, time_s: float) -> Snapshot:
@@ -51,10 +65,10 @@ def parse_metrics(text: str, time_s: float) -> Snapshot:
                 samples.setdefault(s.name, []).append((frozenset(s.labels.items()), float(s.value)))
     except ValueError as e:
         raise MetricsUnavailable(f"the response is not Prometheus text: {e}") from None
-    return Snapshot(time_s, {k: tuple(v) for k, v in samples.items()})
+    return Snapshot(time_s, {k: tuple(v) for k, v in samples.items()}, detect(set(samples)) or TOKENFACTORY)
 
 
-def scrape(url: str, timeout_s: float = 5.0) -> Snapshot:
+def scrape(url: str, timeout_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> Snapshot:
     """GET {url}/metrics (or url itself if it ends in /metrics)."""
     import httpx
 
@@ -67,9 +81,11 @@ def scrape(url: str, timeout_s: float = 5.0) -> Snapshot:
         raise MetricsUnavailable(f"cannot reach {target}: {e.__class__.__name__}: {e or 'no answer'}") from None
     if response.status_code != 200:
         raise MetricsUnavailable(f"{target} answered HTTP {response.status_code}, not metrics")
-    snap = parse_metrics(response.text, time.monotonic())
-    if not any(name.startswith(PREFIX) for name in snap.samples):
-        raise MetricsUnavailable(f"{target} serves no tokenfactory: metrics; is it a tokenfactory server?")
+    snap = parse_metrics(response.text, clock())
+    if detect(set(snap.samples)) is None:
+        known = ", ".join(d.prefix for d in DIALECTS)
+        raise MetricsUnavailable(f"{target} serves no tokenfactory: metrics, nor those of vLLM, SGLang or llama.cpp "
+                                 f"(none of {known}); is it an LLM server with metrics on?")
     return snap
 
 
@@ -104,6 +120,20 @@ class Window:
         total, n = self.delta(histogram + "_sum"), self.delta(histogram + "_count")
         return total / n if total is not None and n else None
 
+    @property
+    def dialect(self) -> Dialect:
+        return self.after.dialect
+
+    def flag(self, lever: str) -> str:
+        return self.dialect.flag(lever)
+
+    def earlier_mean(self, histogram: str) -> float | None:
+        """Mean of a histogram over everything before the window."""
+        if self.before is None:
+            return None
+        total, n = self.before.value(histogram + "_sum"), self.before.value(histogram + "_count")
+        return total / n if total is not None and n else None
+
     def earlier_ratio(self, num: str, den: str) -> float | None:
         """num/den accumulated before the window: the baseline a rising or falling rate is judged by."""
         if self.before is None:
@@ -130,13 +160,21 @@ def kv_pressure(w: Window) -> list[Finding]:
     preempted = w.delta("num_preemptions_total")
     if usage is None or usage < KV_FULL or not preempted:
         return []
-    span = f"in the last {w.seconds:.0f} s" if w.before else "since start-up"
+    span = f"in the last {ms(w.seconds)}" if w.before else "since start-up"
+    itl_then, itl_now = w.earlier_mean("inter_token_latency_seconds"), w.mean("inter_token_latency_seconds")
+    slower = (f"; the inter-token latency went from {ms(itl_then)} to {ms(itl_now)}"
+              if itl_then is not None and itl_now is not None and itl_now > 1.2 * itl_then else "")
+    evidence = {"kv_cache_usage": usage, "preemptions": preempted, "window_s": w.seconds}
+    if itl_now is not None:
+        evidence["inter_token_latency_s"] = itl_now
+    if itl_then is not None:
+        evidence["inter_token_latency_before_s"] = itl_then
     return [Finding("warning", f"The KV cache is {pct(usage)} full and {count(preempted)} sequences were "
-                    f"preempted {span}: long contexts do not fit together, so sequences are evicted and "
-                    "recomputed. Lower max_num_seqs, lower max_model_len, use an 8-bit KV cache "
-                    "(--kv-cache-dtype int8: about twice the tokens; an fp8 KV cache on cards that have it), or "
-                    "give the cache more memory (a larger card or quantized weights).",
-                    {"kv_cache_usage": usage, "preemptions": preempted, "window_s": w.seconds})]
+                    f"preempted {span}{slower} ({w.dialect.name}): long contexts do not fit together, so sequences "
+                    f"are evicted and recomputed. Lower {w.flag('max_num_seqs')}, lower {w.flag('max_model_len')}, "
+                    f"use an 8-bit KV cache ({w.flag('kv_cache_dtype')}: about twice the tokens), or give the cache "
+                    "more memory "
+                    f"({w.flag('kv_memory')}, a larger card or quantized weights).", evidence)]
 
 
 def prefill_heavy(w: Window) -> list[Finding]:
@@ -147,14 +185,18 @@ def prefill_heavy(w: Window) -> list[Finding]:
     budget = w.gauge("max_num_batched_tokens")
     detail = f"; mean inter-token latency {ms(itl)}" if itl is not None else ""
     detail += f", mean TTFT {ms(ttft)}" if ttft is not None else ""
-    chunk = (f"lower max_num_batched_tokens from {count(budget)} to about {count(max(256, budget // 4))}"
-             if budget else "set max_num_batched_tokens to 512-2,048")
+    flag = w.flag("max_num_batched_tokens")
+    chunk = (f"lower {flag} from {count(budget)} to about {count(max(256, budget // 4))}"
+             if budget else f"set {flag} to 512-2,048")
+    evidence = {"prompt_tokens": prompt, "generation_tokens": gen}
+    if itl is not None:
+        evidence["inter_token_latency_s"] = itl
+    if budget is not None:
+        evidence["max_num_batched_tokens"] = budget
     return [Finding("warning", f"Prefill-heavy traffic: {pct(prompt / (prompt + gen))} of computed tokens are "
                     f"prompt tokens ({count(prompt)} prompt vs {count(gen)} generated){detail}. Long prefills "
                     f"stall the decoding sequences; enable chunked prefill and {chunk} so every step keeps "
-                    "decoding, and use prefix caching for shared prompt prefixes.",
-                    {"prompt_tokens": prompt, "generation_tokens": gen, "inter_token_latency_s": itl or 0.0,
-                     "max_num_batched_tokens": budget or 0.0})]
+                    f"decoding, and use {w.flag('prefix_caching')} for shared prompt prefixes.", evidence)]
 
 
 def queueing(w: Window) -> list[Finding]:
@@ -164,12 +206,12 @@ def queueing(w: Window) -> list[Finding]:
         return []
     limit = w.gauge("max_num_seqs")
     usage = w.gauge("kv_cache_usage_perc")
-    evidence = {"waiting": waiting or 0.0, "running": running or 0.0, "queue_time_s": queue or 0.0,
-                "max_num_seqs": limit or 0.0, "kv_cache_usage": usage if usage is not None else -1.0}
+    evidence = {k: v for k, v in (("waiting", waiting), ("running", running), ("queue_time_s", queue),
+                                  ("max_num_seqs", limit), ("kv_cache_usage", usage)) if v is not None}
     at_limit = limit is not None and running is not None and running >= limit
     if at_limit and usage is not None and usage < 0.7:
         fix = (f"the batch is at max_num_seqs ({count(limit)}) while the KV cache is only {pct(usage)} full: "
-               "raise max_num_seqs")
+               f"raise {w.flag('max_num_seqs')}")
     elif usage is not None and usage >= KV_FULL:
         fix = f"the KV cache is {pct(usage)} full: add replicas or give the cache more memory"
     else:
@@ -186,22 +228,33 @@ def low_occupancy(w: Window) -> list[Finding]:
         return []
     gen = w.rate("generation_tokens_total")
     rate = f", generating {count(gen)} tokens/s" if gen is not None else ""
+    evidence = {"running": running, "max_num_seqs": limit}
+    if gen is not None:
+        evidence["generation_tokens_per_s"] = gen
     return [Finding("info", f"Low batch occupancy: {count(running)} of {count(limit)} sequence slots in use and "
                     f"nothing waiting{rate}. Each step still reads all the weights, so tokens/s per card and "
                     "J/token are far from what this card can do: send more concurrent requests, or serve this "
-                    "load with fewer replicas or a smaller card.",
-                    {"running": running, "max_num_seqs": limit, "generation_tokens_per_s": gen or 0.0})]
+                    "load with fewer replicas or a smaller card.", evidence)]
+
+
+def _hit_rates(w: Window) -> tuple[float, float] | None:
+    """(hit rate before the window, in it): from the hit and query counters, else the server's own gauge."""
+    now = w.window_ratio("prefix_cache_hits_total", "prefix_cache_queries_total")
+    then = w.earlier_ratio("prefix_cache_hits_total", "prefix_cache_queries_total")
+    if now is None and w.before is not None:
+        then, now = w.before.value("prefix_cache_hit_rate"), w.gauge("prefix_cache_hit_rate")
+    return (then, now) if then is not None and now is not None else None
 
 
 def prefix_hit_rate_falling(w: Window) -> list[Finding]:
-    now = w.window_ratio("prefix_cache_hits_total", "prefix_cache_queries_total")
-    then = w.earlier_ratio("prefix_cache_hits_total", "prefix_cache_queries_total")
-    if now is None or then is None or then < 0.1 or now >= HIT_RATE_DROP * then:
+    rates = _hit_rates(w)
+    if rates is None or rates[0] < 0.1 or rates[1] >= HIT_RATE_DROP * rates[0]:
         return []
+    then, now = rates
     return [Finding("warning", f"The prefix-cache hit rate fell from {pct(then)} to {pct(now)} over the last "
-                    f"{w.seconds:.0f} s: requests stopped sharing prefixes (a changed system prompt or "
+                    f"{ms(w.seconds)}: requests stopped sharing prefixes (a changed system prompt or "
                     "template?), or KV pressure evicts cached prefixes. Keep shared prompt prefixes "
-                    "byte-identical and check kv_cache_usage_perc.",
+                    "byte-identical and check the KV cache usage.",
                     {"hit_rate_before": then, "hit_rate_window": now, "window_s": w.seconds})]
 
 
@@ -232,15 +285,16 @@ def joules_rising(w: Window) -> list[Finding]:
         then, now = pair
         watts = w.gauge("power_watts", **labels)
         running = w.gauge("num_requests_running")
+        evidence = {"joules_per_token_before": then, "joules_per_token_window": now}
+        if watts is not None:
+            evidence["power_w"] = watts
         out.append(Finding("warning", f"Energy per output token rose from {then:.3f} J to {now:.3f} J "
-                           f"({source or 'all sources'}) over the last {w.seconds:.0f} s"
+                           f"({source or 'all sources'}) over the last {ms(w.seconds)}"
                            + (f" at {count(watts)} W" if watts is not None else "")
                            + (f" with {count(running)} sequences running" if running is not None else "")
                            + ": fewer tokens per step (a smaller batch), more prefill or preemption work per "
                            "output token, or a hotter card. Raise the batch occupancy and check the prefill and "
-                           "preemption findings.",
-                           {"joules_per_token_before": then, "joules_per_token_window": now,
-                            "power_w": watts or 0.0}))
+                           "preemption findings.", evidence))
     return out
 
 
@@ -254,18 +308,21 @@ def diagnose(after: Snapshot, before: Snapshot | None = None) -> list[Finding]:
     if not findings:
         gen = window.rate("generation_tokens_total")
         running = window.gauge("num_requests_running")
-        findings.append(Finding("info", "No slowdown found: "
+        evidence = {k: v for k, v in (("running", running), ("generation_tokens_per_s", gen)) if v is not None}
+        findings.append(Finding("info", f"No slowdown found ({window.dialect.name}): "
                                 + (f"{count(running)} sequences running, " if running is not None else "")
                                 + (f"{count(gen)} tokens/s generated." if gen is not None
-                                   else "counters read once (use --interval for rates)."),
-                                {"running": running or 0.0, "generation_tokens_per_s": gen or 0.0}))
+                                   else "counters read once (use --interval for rates)."), evidence))
     return findings
 
 
-def diagnose_url(url: str, interval_s: float = 5.0, timeout_s: float = 5.0) -> list[Finding]:
-    """Scrape `url`, wait `interval_s`, scrape again, and diagnose the window between."""
-    first = scrape(url, timeout_s)
+def diagnose_url(url: str, interval_s: float = 5.0, timeout_s: float = 5.0,
+                 sleep: Callable[[float], None] = time.sleep,
+                 clock: Callable[[], float] = time.monotonic) -> list[Finding]:
+    """Scrape `url`, wait `interval_s`, scrape again, and diagnose the window between (`sleep` and `clock` are
+    the real ones unless a test passes its own)."""
+    first = scrape(url, timeout_s, clock)
     if interval_s <= 0:
         return diagnose(first)
-    time.sleep(interval_s)
-    return diagnose(scrape(url, timeout_s), first)
+    sleep(interval_s)
+    return diagnose(scrape(url, timeout_s, clock), first)

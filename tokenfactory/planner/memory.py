@@ -6,9 +6,13 @@ weights, reserves room for activations and the runtime, and gives the rest to th
     |<------------------------ memory_gib * memory_utilization ------------------------>|<-- headroom -->|
     | weights / N | runtime (CUDA ctx, workspaces) + activations |   KV cache blocks       |               |
 
-KV bytes per token = 2 (K and V) * layers * kv_heads * head_dim * dtype bytes: grouped-query
-attention counts KV heads, not query heads (Ainslie et al. 2023). With tensor parallelism each card
-holds ceil(kv_heads / N) heads (at least one: heads are replicated when N > kv_heads).
+KV bytes per token = 2 (K and V) * layers * kv_heads * (head_dim * dtype bytes, or head_dim + a 2-byte scale for an
+8-bit cache): grouped-query attention counts KV heads, not query heads (Ainslie et al. 2023); config.py's
+`kv_bytes_per_head_token` is the one accounting, the engine's and the start-up check's too. With tensor parallelism
+each card holds ceil(kv_heads / N) heads (at least one: heads are replicated when N > kv_heads).
+
+max_model_len, when not given, is the engine's rule (config.py `default_max_model_len`): the model's context, capped
+at the tokens the KV cache holds.
 """
 
 from __future__ import annotations
@@ -16,12 +20,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tokenfactory.config import EngineConfig, default_max_model_len
 from tokenfactory.layers.weight_bytes import kernel_for, layer_bytes
 from tokenfactory.planner.hardware import Hardware
 from tokenfactory.planner.modelsrc import ModelSpec
-from tokenfactory.planner.precision import Precision, parse_precision, precision_for_bytes
+from tokenfactory.planner.precision import KVDtype, Precision, parse_precision, precision_for_bytes
 
-BLOCK_SIZE = 16  # tokens per KV block (tokenfactory.config.EngineConfig.block_size default)
+BLOCK_SIZE = EngineConfig.block_size  # tokens per KV block: the engine's default
 
 
 @dataclass(frozen=True)
@@ -72,7 +77,7 @@ def engine_weight_bytes(model: ModelSpec, precision: str | None, device_kind: st
 
 def _gguf_weights(model: ModelSpec) -> Weights:
     if model.gguf_weights_bytes is None:
-        raise ValueError("--precision gguf needs a .gguf model file")
+        raise ValueError("--quantization gguf needs a .gguf model file")
     embd = model.gguf_embedding_bytes or 0
     tied = model.config.tie_word_embeddings
     linear_params = max(model.body_params + model.lm_head_params, 1)
@@ -88,7 +93,7 @@ def _checkpoint_weights(model: ModelSpec) -> Weights:
     linear layer (ModelSpec.checkpoint), the embedding (and an unquantized LM head) in 16 bits."""
     quant = model.checkpoint
     if quant is None:
-        raise ValueError("--precision checkpoint needs a GPTQ, AWQ or compressed-tensors checkpoint's config.json")
+        raise ValueError("--quantization checkpoint needs a GPTQ, AWQ or compressed-tensors checkpoint's config.json")
     cfg = model.config
     h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
     layers = sum(quant.layer_bytes(n, k) for n, k in [(q, h), (kv, h), (kv, h), (h, q), (inter, h), (inter, h),
@@ -102,15 +107,14 @@ def _checkpoint_weights(model: ModelSpec) -> Weights:
     return Weights(p, float(layers + norms + embedding + head), float(read), quant.label)
 
 
-def kv_bytes_per_token(model: ModelSpec, kv_dtype_bytes: int) -> int:
-    """K and V for every layer, whole model (all cards)."""
-    return model.config.kv_bytes_per_token(kv_dtype_bytes)
+def kv_bytes_per_token(model: ModelSpec, kv: KVDtype) -> int:
+    """K and V for every layer, whole model (all cards), scales included."""
+    return kv.bytes_per_token(model.config)
 
 
-def kv_bytes_per_token_per_card(model: ModelSpec, kv_dtype_bytes: int, num_devices: int) -> int:
-    cfg = model.config
-    heads_per_card = max(1, math.ceil(cfg.num_kv_heads / num_devices))
-    return 2 * cfg.num_layers * heads_per_card * cfg.head_dim * kv_dtype_bytes
+def kv_bytes_per_token_per_card(model: ModelSpec, kv: KVDtype, num_devices: int) -> int:
+    heads_per_card = max(1, math.ceil(model.config.num_kv_heads / num_devices))
+    return kv.bytes_per_token(model.config, heads_per_card)
 
 
 def activation_bytes(model: ModelSpec, max_num_batched_tokens: int, max_num_seqs: int,
@@ -142,6 +146,13 @@ class MemoryPlan:
     kv_bytes_per_token: int  # whole model
     kv_bytes_per_token_per_card: int
     max_model_len: int
+    context_tokens: int = 0  # the model's own context (max_position_embeddings)
+    max_model_len_given: bool = True  # False: the engine's default rule chose it (the context, capped by the cache)
+
+    @property
+    def max_model_len_capped(self) -> bool:
+        """The default max_model_len is below the model's context because the KV cache holds no more."""
+        return not self.max_model_len_given and self.max_model_len < self.context_tokens
 
     @property
     def reserve_bytes(self) -> int:
@@ -175,16 +186,25 @@ class MemoryPlan:
         return self.max_seqs(self.max_model_len)
 
 
-def plan_memory(hw: Hardware, model: ModelSpec, weights: Weights, kv_dtype_bytes: int, max_model_len: int,
+def plan_memory(hw: Hardware, model: ModelSpec, weights: Weights, kv: KVDtype, max_model_len: int | None,
                 max_num_seqs: int, max_num_batched_tokens: int) -> MemoryPlan:
+    """One card's budget. `max_model_len` None: the engine's default (the model's context, capped at what the cache
+    holds; the context itself when the cache holds nothing, so the plan says it does not fit)."""
     n = hw.count
     usable = int(hw.device.memory_bytes * hw.memory_utilization)
     weights_per_card = int(math.ceil(weights.total_bytes / n))
     act = activation_bytes(model, max_num_batched_tokens, max_num_seqs, n)
-    kv = max(0, usable - weights_per_card - hw.runtime_overhead_bytes - act)
+    kv_bytes = max(0, usable - weights_per_card - hw.runtime_overhead_bytes - act)
+    per_card = kv_bytes_per_token_per_card(model, kv, n)
+    context = model.config.max_position_embeddings
+    if max_model_len is None:
+        capacity = kv_bytes // (per_card * BLOCK_SIZE) * BLOCK_SIZE
+        max_model_len = default_max_model_len(context, capacity) if capacity > 0 else context
+        given = False
+    else:
+        given = True
     return MemoryPlan(num_devices=n, device_bytes=hw.device.memory_bytes, usable_bytes=usable,
                       weights_bytes=weights_per_card, runtime_bytes=hw.runtime_overhead_bytes,
-                      activation_bytes=act, kv_cache_bytes=kv,
-                      kv_bytes_per_token=kv_bytes_per_token(model, kv_dtype_bytes),
-                      kv_bytes_per_token_per_card=kv_bytes_per_token_per_card(model, kv_dtype_bytes, n),
-                      max_model_len=max_model_len)
+                      activation_bytes=act, kv_cache_bytes=kv_bytes,
+                      kv_bytes_per_token=kv_bytes_per_token(model, kv), kv_bytes_per_token_per_card=per_card,
+                      max_model_len=max_model_len, context_tokens=context, max_model_len_given=given)

@@ -9,7 +9,10 @@ where P = prompt tokens prefilled in the same step (continuous batching) and p t
 Sources: the 2*N FLOPs/token rule (Kaplan et al. 2020, Table 1) and the decode memory-bound
 argument (Pope et al. 2022, 'Efficiently Scaling Transformer Inference', section 3.1).
 
-Time. The roofline bound is max(memory_s, compute_s); the *expected* time adds them,
+Time. The roofline is the datasheet's: max(bytes / BW, FLOPs / peak) with the cards' peak bandwidth and dense
+FLOP/s, nothing discounted (the essay's 14 GB / 1 TB/s = 14 ms a token). The *modelled* (expected) time divides
+each term by the achievable share of its peak (catalog factors: 70% of bandwidth and 60% of compute on a GPU by
+default, or --calibrate's fit) and adds them,
     seconds = bytes / (BW * eff_bw) + FLOPs / (peak * eff_compute) + step_overhead,
 because an engine's kernels mostly run one after another, each limited by one resource, so memory
 and tensor-core time overlap little. The additive form reproduces published measurements across
@@ -25,17 +28,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tokenfactory.levers import OUTPUT_TOKENS, PROMPT_TOKENS
 from tokenfactory.planner.hardware import Hardware
 from tokenfactory.planner.memory import Weights
 from tokenfactory.planner.modelsrc import ModelSpec
+from tokenfactory.planner.precision import KVDtype
 
 
 @dataclass(frozen=True)
 class Workload:
     """Mean request shape: prompt tokens in, output tokens out."""
 
-    prompt_tokens: float = 512.0
-    output_tokens: float = 256.0
+    prompt_tokens: float = PROMPT_TOKENS
+    output_tokens: float = OUTPUT_TOKENS
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 0:
@@ -67,14 +72,18 @@ class StepEstimate:
     communication_s: float  # tensor-parallel all-reduce waits (0 on one card)
     overhead_s: float
     power_w: float  # all cards of the replica
+    peak_memory_s: float = 0.0  # bytes at the cards' datasheet bandwidth, nothing discounted
+    peak_compute_s: float = 0.0  # FLOPs at the cards' dense datasheet peak
 
     @property
     def seconds(self) -> float:
+        """Modelled: each term at its achievable share of the peak, added, plus TP waits and host overhead."""
         return self.memory_s + self.compute_s + self.communication_s + self.overhead_s
 
     @property
     def roofline_seconds(self) -> float:
-        return max(self.memory_s, self.compute_s) + self.communication_s + self.overhead_s
+        """The datasheet roofline: max(bytes / peak bandwidth, FLOPs / peak FLOP/s), a bound no engine beats."""
+        return max(self.peak_memory_s, self.peak_compute_s)
 
     @property
     def tokens_per_s(self) -> float:
@@ -105,11 +114,11 @@ class StepModel:
     hw: Hardware
     model: ModelSpec
     weights: Weights
-    kv_dtype_bytes: int
+    kv: KVDtype
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.model.config.kv_bytes_per_token(self.kv_dtype_bytes)
+        return self.kv.bytes_per_token(self.model.config)
 
     @property
     def attention_flops_per_pair(self) -> float:
@@ -132,9 +141,11 @@ class StepModel:
         communication_s = hw.communication_s(memory_s + compute_s)
         overhead_s = hw.efficiency.step_overhead_s
         power = hw.count * hw.card_power_w(memory_s, compute_s, communication_s + overhead_s)
-        return StepEstimate(batch_size, context_tokens, prefill_tokens,
-                            self.weights.read_bytes_per_step + kv_bytes, flops, memory_s, compute_s,
-                            communication_s, overhead_s, power)
+        moved = self.weights.read_bytes_per_step + kv_bytes
+        peak_memory_s = moved / (hw.count * hw.device.bandwidth_bytes_per_s)
+        peak_compute_s = flops / (hw.count * hw.device.peak_flops(self.weights.precision.compute_dtype))
+        return StepEstimate(batch_size, context_tokens, prefill_tokens, moved, flops, memory_s, compute_s,
+                            communication_s, overhead_s, power, peak_memory_s, peak_compute_s)
 
     def decode(self, batch_size: int, context_tokens: float) -> StepEstimate:
         """A pure decode step: every sequence produces one token, no prompt work."""

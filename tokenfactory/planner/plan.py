@@ -2,160 +2,64 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
+from tokenfactory.layers.weight_bytes import auto_dense
 from tokenfactory.planner.catalog import Catalog, Device
-from tokenfactory.planner.cost import CostEstimate, FleetPlan, Prices, estimate_cost, fleet_for_demand
+from tokenfactory.planner.core import Alternative, Plan, PlanRequest
+from tokenfactory.planner.cost import Power, estimate_cost, fleet_for_demand, monthly_bill, verdict
 from tokenfactory.planner.hardware import Hardware, hardware_from_catalog
 from tokenfactory.planner.memory import MemoryPlan, Weights, engine_weight_bytes, plan_memory, resolve_weights
-from tokenfactory.planner.modelsrc import ModelSpec
-from tokenfactory.planner.perf import StepEstimate, StepModel, Workload
+from tokenfactory.planner.perf import StepEstimate, StepModel
 from tokenfactory.planner.precision import parse_kv_dtype
 from tokenfactory.planner.recommend import recommend
+from tokenfactory.planner.units import count, gib
 
-DEFAULT_MAX_MODEL_LEN_CAP = 8192
 TP_COUNTS = (1, 2, 4, 8)
-ENGINES = ("reference", "tokenfactory")
 
 
-@dataclass(frozen=True)
-class Demand:
-    tokens_per_day: float  # output tokens
-    window_hours: float = 24.0
-
-
-@dataclass(frozen=True)
-class SLO:
-    ttft_s: float | None = None
-    tpot_s: float | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("ttft_s", "tpot_s"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"--{name.replace('_s', '')}-slo must be > 0 seconds, got {value}")
-
-
-@dataclass(frozen=True)
-class PlanRequest:
-    model: ModelSpec
-    hardware: Hardware
-    prices: Prices
-    precision: str | None = None  # None: as stored (GGUF) or the config's dtype
-    kv_dtype: str = "auto"
-    max_model_len: int | None = None  # None: the model's context, capped at 8,192
-    concurrency: int = 64  # max_num_seqs
-    max_num_batched_tokens: int = 2048
-    workload: Workload = field(default_factory=Workload)
-    demand: Demand | None = None
-    slo: SLO = field(default_factory=SLO)
-    tokens_per_second: float | None = None  # measured per-replica speed, overrides the model
-    batch_sizes: tuple[int, ...] | None = None
-    # Whose weight bytes decide what fits: "reference" (the format's own size, what an engine that keeps each
-    # weight once holds) or "tokenfactory" (our engine's accounting for int8/int4, as serve's start-up check
-    # counts it: the dense copy where it fits, else on-the-fly, as `--quantization-dense auto` chooses).
-    engine: str = "reference"
-
-    def __post_init__(self) -> None:
-        if self.concurrency < 1:
-            raise ValueError(f"--concurrency must be >= 1, got {self.concurrency}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.engine not in ENGINES:
-            raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
-
-    @property
-    def resolved_max_model_len(self) -> int:
-        if self.max_model_len is not None:
-            return self.max_model_len
-        return min(self.model.config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
-
-
-@dataclass(frozen=True)
-class Alternative:
-    device: str
-    cards: int
-    batch_size: int
-    tokens_per_s: float
-    rent_usd_per_mtok: float | None
-    joules_per_token: float
-
-
-@dataclass(frozen=True)
-class Plan:
-    request: PlanRequest
-    weights: Weights
-    kv_dtype_bytes: int
-    memory: MemoryPlan
-    effective_batch: int  # concurrency, capped by the KV cache (and the TPOT SLO)
-    decode: tuple[StepEstimate, ...]  # pure decode per batch size, at the workload's mean context
-    serving: StepEstimate | None  # steady state at effective_batch, prefill included
-    prefill: StepEstimate  # one prompt alone
-    crossover_batch: float | None
-    fleet: FleetPlan | None
-    cost: CostEstimate | None
-    alternatives: tuple[Alternative, ...] = ()
-    recommendations: tuple[str, ...] = ()
-    notes: tuple[str, ...] = ()
-    # int8/int4: what tokenfactory's engine keeps for these weights on this kind of card, by its own accounting
-    # (the start-up check's): with the dense copy for large steps, and on-the-fly. None for other precisions.
-    engine_weights_bytes: tuple[int, int] | None = None
-
-    @property
-    def max_model_len(self) -> int:
-        return self.memory.max_model_len
-
-    @property
-    def tokens_per_s(self) -> float | None:
-        """Per-replica output tokens/s used for fleet and cost (measured if given, else modelled)."""
-        if self.request.tokens_per_second is not None:
-            return self.request.tokens_per_second
-        return self.serving.tokens_per_s if self.serving else None
-
-    @property
-    def ttft_s(self) -> float | None:
-        """Prefill of one prompt plus, under load, one in-flight step to wait for."""
-        return self.prefill.seconds + (self.serving.seconds if self.serving else 0.0)
-
-    @property
-    def tpot_s(self) -> float | None:
-        return self.serving.seconds if self.serving else None
-
-
-def fitted_memory(req: PlanRequest, hw: Hardware) -> tuple[Weights, MemoryPlan]:
-    """The weights as `req.engine` keeps them on `hw`, and the memory plan they leave."""
+def fitted_memory(req: PlanRequest, hw: Hardware) -> tuple[Weights, MemoryPlan, str | None]:
+    """The weights as `req.engine` keeps them on `hw`, the memory plan they leave, and a note when our engine's
+    form (`serve --quantization-dense auto`: layers/weight_bytes.py `auto_dense`) is not the dense copy."""
     weights = resolve_weights(req.model, req.precision)
-    kv_bytes = parse_kv_dtype(req.kv_dtype, weights.precision)
+    kv = parse_kv_dtype(req.kv_dtype, weights.precision)
 
     def memory(w: Weights) -> MemoryPlan:
-        return plan_memory(hw, req.model, w, kv_bytes, req.resolved_max_model_len, req.concurrency,
-                           req.max_num_batched_tokens)
+        return plan_memory(hw, req.model, w, kv, req.max_model_len, req.max_num_seqs, req.max_num_batched_tokens)
 
     ours = _engine_weights(req, hw) if req.engine == "tokenfactory" else None
     if ours is None:
-        return weights, memory(weights)
+        return weights, memory(weights), None
     copy, lean = ours
     with_copy = replace(weights, total_bytes=copy, label=f"{weights.label}, tokenfactory with its dense copy")
     plan = memory(with_copy)
-    if plan.fits:
-        return with_copy, plan
+    unquantized = resolve_weights(req.model, "bf16").total_bytes
+    device_type = "cpu" if hw.device.kind == "cpu" else "cuda"
+    if auto_dense(device_type, copy, lean, int(unquantized), plan.fits) == "copy":
+        return with_copy, plan, None
     lean_weights = replace(weights, total_bytes=lean, label=f"{weights.label}, tokenfactory on-the-fly")
-    return lean_weights, memory(lean_weights)
+    why = (f"with its dense copy the weights would be {gib(copy)}, more than bf16's {gib(unquantized)}"
+           if plan.fits else f"the dense copy ({gib(copy)}) does not fit")
+    return lean_weights, memory(lean_weights), (
+        f"our engine keeps {weights.label} on-the-fly ({gib(lean)}: codes and scales, large steps dequantize): {why}; "
+        "this is what serve --quantization-dense auto chooses here")
 
 
 def make_plan(request: PlanRequest, catalog: Catalog | None = None) -> Plan:
     """The whole plan; `catalog` enables the 'a different card?' comparison."""
     req, model, hw = request, request.model, request.hardware
-    weights, memory = fitted_memory(req, hw)
-    kv_bytes = parse_kv_dtype(req.kv_dtype, weights.precision)
-    steps = StepModel(hw, model, weights, kv_bytes)
+    weights, memory, form = fitted_memory(req, hw)
+    kv = parse_kv_dtype(req.kv_dtype, weights.precision)
+    steps = StepModel(hw, model, weights, kv)
     wl = req.workload
     final_len = wl.prompt_tokens + wl.output_tokens
     kv_limit = memory.max_seqs(final_len) if memory.weights_fit else 0
-    batch = min(req.concurrency, kv_limit)
-    notes = []
+    batch = min(req.max_num_seqs, kv_limit)
+    notes = [form] if form else []
+    if memory.max_model_len_capped:
+        notes.append(f"max_model_len is the model's context ({count(memory.context_tokens)}) capped at the "
+                     f"{count(memory.max_model_len)} tokens the KV cache holds, as the engine does when "
+                     "--max-model-len is not given")
     if req.slo.tpot_s is not None and batch > 0:
         slo_batch = steps.max_batch_within(req.slo.tpot_s, wl, batch)
         if slo_batch < batch:
@@ -164,8 +68,8 @@ def make_plan(request: PlanRequest, catalog: Catalog | None = None) -> Plan:
             batch = slo_batch
     serving = steps.serving(batch, wl) if batch > 0 else None
     decode = tuple(steps.decode(b, wl.mean_context_tokens)
-                   for b in req.batch_sizes or _batch_sizes(req.concurrency, max(kv_limit, 1)))
-    plan = Plan(request=req, weights=weights, kv_dtype_bytes=kv_bytes, memory=memory, effective_batch=batch,
+                   for b in req.batch_sizes or _batch_sizes(req.max_num_seqs, max(kv_limit, 1)))
+    plan = Plan(request=req, weights=weights, kv_dtype=kv, memory=memory, effective_batch=batch,
                 decode=decode, serving=serving, prefill=steps.prefill(wl.prompt_tokens),
                 crossover_batch=steps.crossover_batch(wl.mean_context_tokens), fleet=None, cost=None,
                 notes=tuple(notes), engine_weights_bytes=_engine_weights(req, hw))
@@ -181,10 +85,18 @@ def _engine_weights(req: PlanRequest, hw: Hardware) -> tuple[int, int] | None:
     return None if copy is None or lean is None else (copy, lean)
 
 
-def _batch_sizes(concurrency: int, kv_limit: int) -> tuple[int, ...]:
-    top = max(1, min(max(concurrency, 256), kv_limit, 1024))
-    sizes = {1 << i for i in range(11) if (1 << i) <= top} | {min(concurrency, kv_limit)}
+def _batch_sizes(max_num_seqs: int, kv_limit: int) -> tuple[int, ...]:
+    top = max(1, min(max(max_num_seqs, 256), kv_limit, 1024))
+    sizes = {1 << i for i in range(11) if (1 << i) <= top} | {min(max_num_seqs, kv_limit)}
     return tuple(sorted(s for s in sizes if s >= 1))
+
+
+def replica_power(hw: Hardware, serving: StepEstimate | None, wall_watts: float | None = None) -> Power:
+    """One replica's DC power: its cards busy at the serving step (modelled; TDP when nothing fits) or idle, and
+    their share of the host; busy at the wall as measured, when `wall_watts` is given."""
+    busy = serving.power_w if serving else hw.count * hw.device.tdp_w.value
+    return Power(busy, hw.count * hw.device.idle_w.value, hw.count * hw.host_busy_w, hw.count * hw.host_idle_w,
+                 wall_watts)
 
 
 def _with_fleet_and_cost(plan: Plan) -> Plan:
@@ -194,45 +106,51 @@ def _with_fleet_and_cost(plan: Plan) -> Plan:
     hw = req.hardware
     fleet = (fleet_for_demand(req.demand.tokens_per_day, req.demand.window_hours, tps, hw.count)
              if req.demand else None)
-    busy_w = plan.serving.power_w if plan.serving else hw.count * hw.device.tdp_w.value
-    idle_w = hw.count * hw.device.idle_w.value
-    cost = estimate_cost(tps, busy_w, idle_w, hw.count, req.prices)
-    return replace(plan, fleet=fleet, cost=cost)
+    prices = req.prices
+    if prices is None:
+        return replace(plan, fleet=fleet)
+    if fleet is not None and req.utilisation_from_fleet:
+        prices = replace(prices, utilisation=fleet.utilisation)
+    power = replica_power(hw, plan.serving, req.wall_watts)
+    cost = estimate_cost(tps, power, hw.count, prices)
+    modelled = None
+    if plan.serving is not None and prices.rent_per_hour is not None:
+        modelled = estimate_cost(plan.serving.tokens_per_s, power, hw.count, prices).on_demand_per_mtok
+    return replace(plan, fleet=fleet, cost=cost, verdict=verdict(cost, prices.currency),
+                   bill=monthly_bill(power, hw.count, fleet.replicas if fleet else 1, prices),
+                   modelled_on_demand_per_mtok=modelled)
 
 
-def min_cards(request: PlanRequest, device: Device, catalog: Catalog) -> tuple[Hardware, MemoryPlan] | None:
+def min_cards(request: PlanRequest, device: Device, catalog: Catalog) -> tuple[Hardware, Weights, MemoryPlan] | None:
     """The smallest tensor-parallel group of `device` that holds the weights and one max_model_len
     sequence, with the catalog's default factors; None if even 8 cards are not enough."""
-    for count in TP_COUNTS:
-        hw = hardware_from_catalog(catalog, device, count)
-        _, mem = fitted_memory(request, hw)
+    for count_ in TP_COUNTS:
+        hw = hardware_from_catalog(catalog, device, count_)
+        weights, mem, _ = fitted_memory(request, hw)
         if mem.fits:
-            return hw, mem
+            return hw, weights, mem
     return None
 
 
 def compare_devices(request: PlanRequest, catalog: Catalog) -> list[Alternative]:
-    """Every catalog device (smallest group that fits), at the request's concurrency (capped by its KV
-    cache and the TPOT SLO) and workload, cheapest rented $/Mtok first."""
+    """Every catalog device (smallest group that fits), at the request's max_num_seqs (capped by its KV cache and
+    the TPOT SLO) and workload, all modelled with default factors, cheapest on-demand rent per Mtok first."""
     out = []
     wl = request.workload
-    weights = resolve_weights(request.model, request.precision)
-    kv_bytes = parse_kv_dtype(request.kv_dtype, weights.precision)
+    currency = request.currency
     for device in {id(d): d for d in catalog.devices.values()}.values():
         found = min_cards(request, device, catalog)
         if found is None:
             continue
-        hw, mem = found
-        steps = StepModel(hw, request.model, weights, kv_bytes)
-        batch = min(request.concurrency, mem.max_seqs(wl.prompt_tokens + wl.output_tokens))
+        hw, weights, mem = found
+        steps = StepModel(hw, request.model, weights, parse_kv_dtype(request.kv_dtype, weights.precision))
+        batch = min(request.max_num_seqs, mem.max_seqs(wl.prompt_tokens + wl.output_tokens))
         if request.slo.tpot_s is not None:
             batch = steps.max_batch_within(request.slo.tpot_s, wl, batch)
         if batch < 1:
             continue
         step = steps.serving(batch, wl)
-        rent = device.rent_usd_per_hour.value if device.rent_usd_per_hour else None
-        prices = request.prices
-        per_mtok = (rent * hw.count / (step.tokens_per_s * 3600 * prices.utilisation / 1e6)
-                    if rent is not None else None)
+        rent = currency.from_usd(device.rent_usd_per_hour.value) if device.rent_usd_per_hour else None
+        per_mtok = rent * hw.count / (step.tokens_per_s * 3600 / 1e6) if rent is not None else None
         out.append(Alternative(device.name, hw.count, batch, step.tokens_per_s, per_mtok, step.joules_per_token))
-    return sorted(out, key=lambda a: (a.rent_usd_per_mtok is None, a.rent_usd_per_mtok or 0.0))
+    return sorted(out, key=lambda a: (a.on_demand_per_mtok is None, a.on_demand_per_mtok or 0.0))

@@ -21,7 +21,7 @@ def write_plots(plan: Plan, out_dir: str | Path) -> list[Path]:
     fig = Figure(figsize=(8, 5), dpi=100)
     ax = fig.add_subplot()
     ax.plot(batches, [s.tokens_per_s for s in plan.decode], "o-", label="expected (memory + compute time)")
-    ax.plot(batches, [s.roofline_tokens_per_s for s in plan.decode], "--", label="roofline bound (max)")
+    ax.plot(batches, [s.roofline_tokens_per_s for s in plan.decode], "--", label="roofline (datasheet peaks)")
     if plan.crossover_batch is not None:
         ax.axvline(plan.crossover_batch, color="grey", linestyle=":",
                    label=f"memory/compute crossover ~{plan.crossover_batch:,.0f}")

@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from tokenfactory.config import ModelConfig
+
 
 @dataclass(frozen=True)
 class Precision:
@@ -54,9 +56,31 @@ ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp
            "fp8_e4m3": "fp8", "float8": "fp8", "q8_0": "int8", "w8a16": "int8", "w4a16": "int4"}
 _GROUPED = re.compile(r"^int4-g(\d+)$")
 
-# KV-cache dtypes: bytes per cached value. int8 and fp8 are the engine's --kv-cache-dtype (one float16 scale per
-# KV head and token rides beside them: 2/head_dim bytes per value, 3% at head_dim 64, not counted here).
+# KV-cache dtypes: bytes per cached value. int8 and fp8 are the engine's --kv-cache-dtype: one float16 scale per KV
+# head and token rides beside them (2/head_dim bytes per value, 3% at head_dim 64), counted by config.py's one
+# accounting (`ModelConfig.kv_bytes_per_token`), as the engine's pool and the start-up check count it.
 KV_DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
+
+
+@dataclass(frozen=True)
+class KVDtype:
+    """How the KV cache stores a value: `name` (bf16, fp16, fp32, int8, fp8) and its bytes per value."""
+
+    name: str
+    value_bytes: int
+
+    @property
+    def engine_name(self) -> str:
+        """The engine's --kv-cache-dtype: int8/fp8, or auto (the model's dtype) for the 16/32-bit formats."""
+        return self.name if self.name in ("int8", "fp8") else "auto"
+
+    @property
+    def bits(self) -> int:
+        return self.value_bytes * 8
+
+    def bytes_per_token(self, config: ModelConfig, num_kv_heads: int | None = None) -> int:
+        """K and V of one token over every layer (of `num_kv_heads` heads: one card's share), scales included."""
+        return config.kv_bytes_per_token(self.value_bytes, self.engine_name, num_kv_heads)
 
 
 def parse_precision(name: str) -> Precision:
@@ -68,21 +92,21 @@ def parse_precision(name: str) -> Precision:
     if grouped:
         group = int(grouped.group(1))
         if group < 1:
-            raise ValueError(f"--precision {name!r}: the group size must be >= 1")
+            raise ValueError(f"--quantization {name!r}: the group size must be >= 1")
         return Precision(key, 4, "bf16", "int4", group_size=group, scale_bytes_per_group=4)
-    raise ValueError(f"--precision {name!r} is not known; choose one of "
+    raise ValueError(f"--quantization {name!r} is not known; choose one of "
                      f"{', '.join(PRECISIONS)} or int4-g<group size> (e.g. int4-g32)")
 
 
-def parse_kv_dtype(name: str, weights: Precision) -> int:
-    """Bytes per KV value. `auto`: the activation dtype, i.e. 2 bytes unless the weights are fp32."""
+def parse_kv_dtype(name: str, weights: Precision) -> KVDtype:
+    """The KV cache's format. `auto`: the activation dtype, i.e. bf16 unless the weights are fp32."""
     key = name.strip().lower()
     if key == "auto":
-        return 4 if weights.name == "fp32" else 2
+        key = "fp32" if weights.name == "fp32" else "bf16"
     key = ALIASES.get(key, key)
     if key not in KV_DTYPE_BYTES:
-        raise ValueError(f"--kv-dtype {name!r} is not known; choose auto or one of {', '.join(KV_DTYPE_BYTES)}")
-    return KV_DTYPE_BYTES[key]
+        raise ValueError(f"--kv-cache-dtype {name!r} is not known; choose auto or one of {', '.join(KV_DTYPE_BYTES)}")
+    return KVDtype(key, KV_DTYPE_BYTES[key])
 
 
 def precision_for_bytes(bytes_per_param: float) -> Precision:

@@ -24,8 +24,21 @@ def pct(fraction: float) -> str:
     return f"{fraction * 100:.0f}%"
 
 
-def usd(value: float) -> str:
-    return f"${value:,.2f}" if value >= 0.1 else f"${value:,.4f}"
+def amount(value: float) -> str:
+    """A money amount without its symbol: two decimals, four below 0.1 ('1,234.50', '0.0421')."""
+    return f"{value:,.2f}" if value >= 0.1 else f"{value:,.4f}"
+
+
+def evidence(key: str, value: float) -> str:
+    """One evidence figure as a person reads it: sizes (`*_bytes`) in GiB, shares in percent, seconds in ms/s,
+    counts with separators; the key loses its unit suffix ('kv_cache_bytes=2.147e10' -> 'kv_cache 20.0 GiB')."""
+    if key.endswith("_bytes"):
+        return f"{key.removesuffix('_bytes')} {gib(value)}"
+    if key.endswith(("_usage", "_perc", "_rate", "_share")) or key.startswith("hit_rate"):
+        return f"{key} {pct(value)}"
+    if key.endswith("_s"):
+        return f"{key.removesuffix('_s')} {ms(value)}"
+    return f"{key} {count(value)}"
 
 
 def round_down_len(tokens: int) -> int:
