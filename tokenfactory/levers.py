@@ -72,8 +72,8 @@ LEVERS: dict[str, Lever] = {lever.dest: lever for lever in (
     Lever("--output-tokens", "mean output length of the workload, in tokens: each is one decode step, and the KV "
           "cache grows by one token per step"),
     Lever("--electricity-per-kwh",
-          "electricity price per kWh at the wall, in --currency. Default: the prices file's (US EIA commercial "
-          "average)", aliases=("--electricity-usd-per-kwh", "--usd-per-kwh")),
+          "electricity price per kWh at the wall, in --currency: what every owned kWh costs",
+          aliases=("--electricity-usd-per-kwh", "--usd-per-kwh")),
     Lever("--pue",
           "power usage effectiveness: facility power / IT power. 1.0 for a machine in a room; a data centre "
           "averages 1.56 (Uptime Institute 2024), a hyperscaler about 1.1"),
@@ -84,7 +84,8 @@ LEVERS: dict[str, Lever] = {lever.dest: lever for lever in (
           "ISO code of the money figures (USD, CNY, EUR, ...); prices given with the *-usd-* flags are converted "
           "at --currency-per-usd"),
     Lever("--currency-per-usd",
-          "units of --currency per US dollar. Default: the prices file's rate for known codes"),
+          "units of --currency per US dollar, to convert the catalog's US$ prices (default: the prices file's rate "
+          "for a known code)"),
 )}
 
 

@@ -94,8 +94,8 @@ def _add_fleet_args(p: argparse.ArgumentParser) -> None:
     add_lever(m, "currency", default="USD", type=str.upper)
     add_lever(m, "currency_per_usd", type=float)
     add_lever(m, "electricity_per_kwh", type=float, aliases=False,
-              extra=f"the power bill the fleet would pay if owned (rent includes it); default {money.usd_per_kwh:g} "
-                    "US$/kWh")
+              extra=f"here the power bill the fleet would pay if owned (its rent includes power); default: "
+                    f"{money.usd_per_kwh:g} US$/kWh")
     m.add_argument("--electricity-usd-per-kwh", "--usd-per-kwh", type=float, dest="electricity_per_kwh_usd",
                    help="the same in US$ (older names of --electricity-per-kwh)")
     add_lever(m, "pue", type=float, default=money.pue)

@@ -113,13 +113,14 @@ def _add_money_args(g: argparse._ArgumentGroup, money: Any) -> None:
 
     add_lever(g, "currency", default="USD", type=str.upper,
               extra=f"known rates: {', '.join(f'{k} {v:g}' for k, v in money.currencies.items())} per US$")
-    add_lever(g, "currency_per_usd", type=float, extra=f"({money.sources['currencies']})")
+    add_lever(g, "currency_per_usd", type=float, extra=money.sources["currencies"])
     add_lever(g, "electricity_per_kwh", type=float, aliases=False,
-              extra=f"default {money.usd_per_kwh:g} US$/kWh ({money.sources['electricity'][:10]})")
+              extra=f"default: {money.usd_per_kwh:g} US$/kWh, the US EIA commercial average "
+                    f"({money.sources['electricity'][:10]})")
     g.add_argument("--electricity-usd-per-kwh", type=float, dest="electricity_per_kwh_usd",
                    help="the same in US$, converted at --currency-per-usd (the older name of --electricity-per-kwh)")
-    add_lever(g, "pue", type=float, extra=f"default {money.pue:g}")
-    add_lever(g, "psu_efficiency", type=float, extra=f"default {money.psu_efficiency:g}")
+    add_lever(g, "pue", type=float, extra=f"default: {money.pue:g}")
+    add_lever(g, "psu_efficiency", type=float, extra=f"default: {money.psu_efficiency:g}")
     g.add_argument("--rent-per-hour", type=float,
                    help="on-demand rent per card and hour, in --currency; paid only for the busy hours (default: the "
                         "card's rate in the prices file)")
