@@ -259,3 +259,51 @@ def test_the_client_check_sees_what_it_must() -> None:
               "    request.client.host\n    ledger.engine.begin()\n    getattr(r.client, 'facts')\n")
     assert client_attribute_reads(source, "gateway") == [(2, "engine"), (3, "info"), (6, "getattr")]
     assert {"info", "facts", "subscribe_steps", "replica_states", "generate"} <= protocol_members()
+
+
+def import_circles(edges: list[tuple[str, str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module in the import graph (Tarjan's algorithm)."""
+    graph: dict[str, set[str]] = {}
+    for a, b in edges:
+        graph.setdefault(a, set()).add(b)
+        graph.setdefault(b, set())
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while (w := stack.pop()) != v:
+                component.append(w)
+            component.append(v)
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def test_no_import_circle_between_any_two_modules() -> None:
+    """Within a layer too: shared nouns go to the lower module (as mini-sglang's core.py does) instead of two
+    modules importing each other, lazily or for types only."""
+    edges = [(importer, imported) for importer, _, _, imported in all_imports()
+             if imported != importer and imported != "tokenfactory" and (importer, imported) not in PUBLIC_API]
+    circles = import_circles(edges)
+    assert not circles, "import circles:\n" + "\n".join(" <-> ".join(c) for c in circles)
+
+
+def test_the_circle_check_finds_a_lazy_circle() -> None:
+    assert import_circles([("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")]) == [["a", "b", "c"]]
+    assert import_circles([("a", "b"), ("b", "c")]) == []
