@@ -70,4 +70,4 @@ def test_simulate_shows_a_bar_only_on_a_terminal():
     shown = run_with_stderr_on_a_terminal(code, clean_env())
     assert "simulating" in shown
     piped = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean_env(), timeout=300)
-    assert piped.returncode == 0 and "simulating" not in piped.stderr and "$/Mtok" in piped.stdout
+    assert piped.returncode == 0 and "simulating" not in piped.stderr and "/Mtok" in piped.stdout

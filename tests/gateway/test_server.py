@@ -263,7 +263,7 @@ def test_client_gone_before_first_byte_still_gets_a_ledger_row(server) -> None:
     before = recorded()
     body = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 8, "stream": True}).encode()
     with socket.create_connection(("127.0.0.1", server.port)) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     deadline = time.monotonic() + 40
     while recorded() == before and time.monotonic() < deadline:
