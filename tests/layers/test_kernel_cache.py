@@ -110,3 +110,50 @@ def test_load_builds_in_the_private_dir_and_tightens_the_build(root: Path, monke
     assert cpu_kernels._load() is not None
     assert len(asked) == 1 and root not in asked[0].parents
     assert mode(asked[0] / "tokenfactory_cpu_kernels.so") == 0o755
+
+
+def loader_that_records_the_lock(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """torch's `load` replaced by one that records whether its own `lock` file was there when it was called."""
+    lock_seen: list[bool] = []
+
+    def fake_load(**kwargs: object) -> object:
+        lock_seen.append((Path(str(kwargs["build_directory"])) / "lock").exists())
+        return object()
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", fake_load)
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setattr(cpu_kernels, "_module", None)
+    monkeypatch.setenv("TOKENFACTORY_CPU_KERNELS", "1")
+    return lock_seen
+
+
+def test_a_killed_builds_lock_file_is_removed(root: Path, monkeypatch: pytest.MonkeyPatch,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    """A build killed midway leaves torch's `lock` file; torch's `load` would wait for it forever."""
+    build_dir = cpu_kernels._build_dir()
+    (build_dir / "lock").touch(mode=0o600)
+    lock_seen = loader_that_records_the_lock(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+        assert cpu_kernels._load() is not None
+    assert lock_seen == [False]
+    assert "left by a kernel build that was killed" in caplog.text
+
+
+def test_a_live_build_is_waited_for_not_broken(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While another build holds the flock, its `lock` file is its own: left alone until that build ends."""
+    import fcntl
+    import threading
+
+    build_dir = cpu_kernels._build_dir()
+    lock_seen = loader_that_records_the_lock(monkeypatch)
+    holder = os.open(build_dir / "build.flock", os.O_RDWR | os.O_CREAT, 0o600)  # another build's open file
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    (build_dir / "lock").touch(mode=0o600)
+    loading = threading.Thread(target=cpu_kernels._load)
+    loading.start()
+    loading.join(timeout=0.5)
+    assert loading.is_alive() and (build_dir / "lock").exists() and lock_seen == []
+    (build_dir / "lock").unlink()  # the live build finishes: torch removes its lock, then the flock goes
+    os.close(holder)
+    loading.join(timeout=30)
+    assert not loading.is_alive() and lock_seen == [False]

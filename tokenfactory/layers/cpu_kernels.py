@@ -12,11 +12,18 @@ and every file in it belong to this user and no one else can write them (it is c
 the kernels are built in a fresh private directory for this process, with one warning saying why. If the
 build fails (no compiler, no Python headers), the engine says so once and uses its PyTorch path; setting
 `TOKENFACTORY_CPU_KERNELS=0` asks for the PyTorch path outright.
+
+torch's `load` guards a build with a `lock` file it creates and removes; a build killed midway leaves that file
+behind, and every later `load` of the directory then waits for it forever (a server that never starts). So each
+build also holds our own `flock` on `build.flock` beside it, which the kernel drops when the process dies: under
+that lock a `lock` file is a dead build's, and is removed before `load` runs.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -26,7 +33,7 @@ import stat
 import sys
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +109,22 @@ def _make_private(path: Path) -> None:
             entry.chmod(stat.S_IMODE(st.st_mode) & ~0o022)
 
 
+@contextlib.contextmanager
+def build_lock(build_dir: Path) -> Iterator[None]:
+    """Hold this build directory's flock (waiting for a live build of another process to finish), and remove the
+    `lock` file a killed build left: while we hold the flock, no live build of ours can own it."""
+    fd = os.open(build_dir / "build.flock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            logger.warning("removing %s, left by a kernel build that was killed before it finished", stale)
+            stale.unlink(missing_ok=True)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
 def _load() -> Any:
     """The compiled module, or None where it cannot be built (said once, in a warning)."""
     global _module, _tried
@@ -119,9 +142,10 @@ def _load() -> Any:
                 if shutil.which("ninja") is None:  # the `ninja` package's binary, in a venv not on PATH
                     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
                 build_dir = _build_dir()
-                _module = load(name="tokenfactory_cpu_kernels", sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                               extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
-                _make_private(build_dir)
+                with build_lock(build_dir):
+                    _module = load(name="tokenfactory_cpu_kernels", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                                   extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+                    _make_private(build_dir)
             except Exception as e:  # noqa: BLE001 - any build failure means: use the fallback
                 logger.warning("could not build the CPU kernels (%s: %s); using the PyTorch path, which copies "
                                "each sequence's KV blocks every step", type(e).__name__,
