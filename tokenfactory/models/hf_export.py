@@ -60,28 +60,6 @@ def hf_config_json(config: ModelConfig, dtype: torch.dtype) -> dict[str, object]
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    """python -m tokenfactory.models.hf_export [--model M] OUT: M (default: the bundled model) as a float32 folder."""
-    import argparse
-
-    from tokenfactory.models.loader import load_model
-
-    parser = argparse.ArgumentParser(description="write a model we load as a plain Hugging Face folder (float)")
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--model", default=None, help="GGUF file, HF folder or quantized file (default: bundled)")
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPE_NAMES.values()))
-    args = parser.parse_args(argv)
-    if (args.out / "config.json").exists():
-        raise SystemExit(f"{args.out} already holds a model; pick a new folder")
-    dtype = {name: dt for dt, name in DTYPE_NAMES.items()}[args.dtype]
-    print(write_hf_folder(load_model(args.model), args.out, dtype))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
-
-
 def write_hf_folder(loaded: LoadedModel, out: Path, dtype: torch.dtype = torch.float32) -> Path:
     """Write `loaded` to the new folder `out` (weights as the loader gives them, cast to `dtype`) and return it."""
     if dtype not in DTYPE_NAMES:
