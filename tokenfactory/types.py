@@ -261,6 +261,7 @@ class Logprob:
     token_id: int
     logprob: float
     token: str
+    rank: int | None = None  # 1: the most likely token (prompt logprobs carry it, as vLLM's do)
 
 
 @dataclass

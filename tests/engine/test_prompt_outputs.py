@@ -113,6 +113,9 @@ def check_prompt_logprobs(got, hf, prompt: list[int], k: int) -> None:
         values, top = ref[p - 1].topk(k)
         assert [e.logprob for e in entry[1:]] == pytest.approx(values.tolist(), abs=1e-3)
         assert {e.token_id for e in entry[1:]} == set(top.tolist())  # random weights: no ties at fp32
+        assert [e.rank for e in entry[1:]] == list(range(1, k + 1))
+        own = ref[p - 1, prompt[p]]  # its rank among the reference's, up to tokens within float error of it
+        assert int((ref[p - 1] > own + 1e-4).sum()) + 1 <= entry[0].rank <= int((ref[p - 1] > own - 1e-4).sum()) + 1
 
 
 def test_prompt_logprobs_equal_transformers(tiny, prompts) -> None:

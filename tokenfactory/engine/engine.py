@@ -527,7 +527,7 @@ class LLMEngine:
             try:  # position p's row scores prompt token p + 1; a chunk recomputed after a preemption keeps the first
                 for i, row in enumerate(rows, start=position + 1):
                     if state.prompt_logprobs[i] is None:
-                        state.prompt_logprobs[i] = [Logprob(t, lp, self._token_text(t)) for t, lp in row]
+                        state.prompt_logprobs[i] = [Logprob(t, lp, self._token_text(t), rank) for t, lp, rank in row]
             except Exception as e:  # noqa: BLE001 - this request's alone
                 failed.append(self._fail_in_processing(state, e))
         for seq, position, share in step.pooled:

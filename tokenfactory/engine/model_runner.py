@@ -54,8 +54,8 @@ class StepResult:
     """What a step made: sampled tokens per sequence, and what prompt spans read (in span order)."""
 
     sampled: list[tuple[Sequence, list[SampledToken]]]
-    # (sequence, position p of the first scored row, per row: token p + 1's logprob then the top ones)
-    prompt_logprobs: list[tuple[Sequence, int, list[list[tuple[int, float]]]]] = field(default_factory=list)
+    # (sequence, position p of the first scored row, per row: token p + 1's (id, logprob, rank), then the top ones')
+    prompt_logprobs: list[tuple[Sequence, int, list[list[tuple[int, float, int]]]]] = field(default_factory=list)
     # (sequence, position of the chunk's first row, the chunk's pooled share (h,) float32)
     pooled: list[tuple[Sequence, int, torch.Tensor]] = field(default_factory=list)
 
@@ -256,24 +256,28 @@ class ModelRunner:
                     result.pooled.append((span.seq, span.position, share))
         return result
 
-    def _prompt_logprobs(self, rows: torch.Tensor, span: PromptSpan) -> list[list[tuple[int, float]]]:
-        """rows (n, h) at positions p..p+n-1 -> per row that has a next prompt token: that token's logprob,
-        then the top `span.num_logprobs` (the model's own distribution: no sampling parameter applies)."""
+    def _prompt_logprobs(self, rows: torch.Tensor, span: PromptSpan) -> list[list[tuple[int, float, int]]]:
+        """rows (n, h) at positions p..p+n-1 -> per row that has a next prompt token: (id, logprob, rank) of that
+        token, then of the top `span.num_logprobs` (the model's own distribution: no sampling parameter applies;
+        rank 1 is the most likely token, as vLLM ranks them)."""
         prompt = span.seq.prompt_token_ids
         num_scored = min(span.num_rows, len(prompt) - 1 - span.position)
         targets = torch.tensor(prompt[span.position + 1:span.position + 1 + num_scored], device=rows.device)
         k = span.num_logprobs or 0
-        out: list[list[tuple[int, float]]] = []
+        out: list[list[tuple[int, float, int]]] = []
         for i in range(0, num_scored, PROMPT_LOGPROB_ROWS):
             logprobs = self.model.compute_logits(rows[i:i + PROMPT_LOGPROB_ROWS][:num_scored - i]).log_softmax(-1)
             target = targets[i:i + PROMPT_LOGPROB_ROWS]
-            chosen = logprobs.gather(1, target[:, None])[:, 0].tolist()  # (s,)
+            chosen_t = logprobs.gather(1, target[:, None])  # (s, 1)
+            ranks = ((logprobs > chosen_t).sum(dim=-1) + 1).tolist()  # (s,)
+            chosen = chosen_t[:, 0].tolist()
             top_ids, top_values = [[]] * len(chosen), [[]] * len(chosen)
             if k:
                 values, ids = logprobs.topk(k, dim=-1)  # (s, k)
                 top_ids, top_values = ids.tolist(), values.tolist()
-            for t, lp, tids, tvals in zip(target.tolist(), chosen, top_ids, top_values, strict=True):
-                out.append([(t, lp), *zip(tids, tvals, strict=True)])
+            for t, lp, rank, tids, tvals in zip(target.tolist(), chosen, ranks, top_ids, top_values, strict=True):
+                out.append([(t, lp, rank), *((tid, tv, r) for r, (tid, tv) in enumerate(zip(tids, tvals,
+                                                                                          strict=True), start=1))])
         return out
 
     @torch.inference_mode()
