@@ -48,8 +48,19 @@ class Server:
         assert found, f"{name} not in /metrics"
         return total
 
+    def ledger_rows(self, request_id: str | None = None) -> list[dict[str, Any]]:
+        return ledger_rows(self.data_dir / "ledger.db", request_id)
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
         return stop_process(self.proc, sig, timeout)
+
+
+def ledger_rows(path: Path, request_id: str | None = None) -> list[dict[str, Any]]:
+    """The ledger's rows (one request's, or all) straight from its SQLite file."""
+    with sqlite3.connect(path) as conn:
+        conn.row_factory = sqlite3.Row
+        where, args = ("WHERE request_id = ?", (request_id,)) if request_id else ("", ())
+        return [dict(r) for r in conn.execute(f"SELECT * FROM requests {where} ORDER BY id", args)]
 
 
 def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
@@ -117,10 +128,7 @@ class Gateway:
         return read_metric(self.url, name)
 
     def ledger_rows(self, request_id: str | None = None) -> list[dict[str, Any]]:
-        with sqlite3.connect(self.ledger_path) as conn:
-            conn.row_factory = sqlite3.Row
-            where, args = ("WHERE request_id = ?", (request_id,)) if request_id else ("", ())
-            return [dict(r) for r in conn.execute(f"SELECT * FROM requests {where} ORDER BY id", args)]
+        return ledger_rows(self.ledger_path, request_id)
 
     def stop(self, timeout: float = 15) -> None:
         self.server.should_exit = True

@@ -35,7 +35,7 @@ def test_batch_run_resumes_after_a_kill_without_redoing_or_double_billing_a_line
     lines = [json.dumps({"custom_id": f"q{i}", "method": "POST", "url": "/v1/completions",
                          "body": {"prompt": f"Count to ten: {i},", "max_tokens": 24}}) for i in range(10)]
     lines.insert(4, json.dumps({"custom_id": "bad", "method": "POST", "url": "/v1/completions",
-                                "body": {"prompt": "x", "max_tokens": 0}}))
+                                "body": {"prompt": "x", "max_tokens": -1}}))
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     first = subprocess.Popen(command(tmp_path, "--max-lines-in-flight", "1"), stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE)

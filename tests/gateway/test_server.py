@@ -110,6 +110,43 @@ def test_n_stop_seed_logprobs(client) -> None:
     assert len(clp.choices[0].logprobs.token_logprobs) == 3
 
 
+def test_prompt_reading_calls_on_the_bundled_model(server, client) -> None:
+    """#28's calls on the real model (tests/gateway/test_prompt_api.py checks them against transformers)."""
+    text = "The capital of France is Paris."
+    tokens = httpx.post(server.url + "/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+    ids = tokens["tokens"]
+    assert tokens["count"] == len(ids) > 3 and "".join(tokens["token_strs"]) == text
+    assert httpx.post(server.url + "/detokenize", json={"tokens": ids}).json() == {"prompt": text}
+    # lm-eval's loglikelihood request: echo, logprobs, max_tokens 0; the same numbers as vLLM's field.
+    r = client.completions.create(model=MODEL, prompt=text, echo=True, logprobs=1, max_tokens=0,
+                                  extra_body={"prompt_logprobs": 0})
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == text and lp.tokens == tokens["token_strs"] and lp.token_logprobs[0] is None
+    vllm = r.choices[0].model_extra["prompt_logprobs"]
+    assert lp.token_logprobs[1:] == [vllm[p][str(ids[p])]["logprob"] for p in range(1, len(ids))]
+    assert all(v < 0 for v in lp.token_logprobs[1:]) and lp.token_logprobs[-1] > -3  # "Paris." follows
+    assert r.usage.completion_tokens == 0 and server.ledger_rows(r.id)[0]["completion_tokens"] == 0
+    # logit_bias: the greedy token banned gives way to another; a token pushed by 100 is chosen every step.
+    greedy = {"model": MODEL, "prompt": text, "max_tokens": 1, "temperature": 0, "logprobs": 0}
+    first = client.completions.create(**greedy).choices[0].logprobs.tokens[0]
+    [first_id] = httpx.post(server.url + "/tokenize", json={"prompt": first}).json()["tokens"]
+    assert client.completions.create(**greedy, logit_bias={str(first_id): -100}).choices[0].logprobs.tokens[0] != first
+    pushed = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                            logit_bias={str(ids[0]): 100}, temperature=1, seed=5)
+    assert pushed.choices[0].message.content == tokens["token_strs"][0] * 3
+    # Embeddings through the client (base64 on the wire), one ledger row, the same vector from the token ids.
+    e = client.embeddings.create(model=MODEL, input=[text, "Bonjour."])
+    assert len(e.data) == 2 and abs(sum(v * v for v in e.data[0].embedding) - 1) < 1e-4
+    assert e.usage.prompt_tokens == len(ids) + len(httpx.post(server.url + "/tokenize", json={
+        "prompt": "Bonjour."}).json()["tokens"]) and e.usage.model_extra["energy_joules"] > 0
+    assert e.usage.model_extra["cost_usd"] > 0 and len(server.ledger_rows(e.model_extra["id"])) == 1
+    again = client.embeddings.create(model=MODEL, input=ids, encoding_format="float", dimensions=64).data[0]
+    cut = e.data[0].embedding[:64]  # batched apart from "Bonjour." here: equal up to the model's low precision
+    assert abs(sum(v * v for v in again.embedding) - 1) < 1e-4 and len(again.embedding) == 64
+    cosine = sum(a * b for a, b in zip(again.embedding, cut, strict=True)) / sum(v * v for v in cut) ** 0.5
+    assert cosine > 0.999
+
+
 BAD_REQUESTS = [
     # (path, body or raw bytes, status, param)
     ("/v1/chat/completions", b"{not json", 400, None),

@@ -41,7 +41,7 @@ from tokenfactory.tenants.store import Tenant, TenantStore
 T = TypeVar("T")
 AUTH_TIMEOUT_S = 2.0  # an indexed read answers in milliseconds; past this the database is stuck
 
-PROTECTED_PREFIXES = ("/v1/", "/admin", "/fleet")
+PROTECTED_PREFIXES = ("/v1/", "/admin", "/fleet", "/tokenize", "/detokenize")
 INVALID_TOKEN = {"WWW-Authenticate": 'Bearer error="invalid_token"'}  # RFC 6750 §3
 
 

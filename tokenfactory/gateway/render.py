@@ -5,6 +5,9 @@ Used by the HTTP routes and by the Batch API, whose output file holds the same b
 
 from __future__ import annotations
 
+import array
+import base64
+import sys
 from typing import Any
 
 from tokenfactory.meter.attribution import RequestEnergy
@@ -14,6 +17,9 @@ from tokenfactory.service.results import (
     ChoiceDelta,
     CompletionResult,
     CompletionStream,
+    EmbeddingResult,
+    PromptLogprobs,
+    PromptRendering,
     StreamEnd,
     StreamEvent,
     StreamFailed,
@@ -70,16 +76,29 @@ def chat_logprobs(logprobs: list[list[Logprob]] | None) -> dict[str, Any] | None
     return {"content": content}
 
 
-def completion_logprobs(logprobs: list[list[Logprob]] | None, text_offset: int = 0) -> dict[str, Any] | None:
-    if logprobs is None:
+def completion_logprobs(logprobs: list[list[Logprob]] | None, text_offset: int = 0,
+                        echoed: PromptLogprobs | None = None, num_echoed: int = 0) -> dict[str, Any] | None:
+    """The legacy completions logprobs. `echoed`: the prompt's logprobs first (echo with logprobs), each with its
+    top `num_echoed`; the first prompt token has none (`null`), as OpenAI and vLLM return it."""
+    if logprobs is None and echoed is None:
         return None
-    tokens, token_logprobs, top, offsets = [], [], [], []
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top: list[dict[str, float] | None] = []
+    offsets: list[int] = []
     offset = text_offset
-    for entry in logprobs:
+    if echoed is not None:
+        tokens.append(echoed.first_token)
+        token_logprobs.append(None)
+        top.append(None)
+        offsets.append(offset)
+        offset += len(echoed.first_token)
+    entries = [(e, num_echoed) for e in (echoed.entries if echoed is not None else [])]
+    for entry, k in entries + [(e, len(e) - 1) for e in logprobs or []]:
         chosen = entry[0]
         tokens.append(chosen.token)
         token_logprobs.append(chosen.logprob)
-        top.append({t.token: t.logprob for t in entry[1:]} if len(entry) > 1 else None)
+        top.append({t.token: t.logprob for t in entry[1:1 + k]} if k else None)
         offsets.append(offset)
         offset += len(chosen.token)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
@@ -90,6 +109,18 @@ def tool_call_body(call: ToolCall, index: int | None = None) -> dict[str, Any]:
     return {**body, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
+def vllm_prompt_logprobs(prompt: PromptLogprobs | None, k: int | None) -> list[dict[str, Any] | None] | None:
+    """vLLM's `prompt_logprobs`: null for the first token, then per token {token id: {logprob, rank,
+    decoded_token}} for the token itself and the top `k`."""
+    if prompt is None or k is None:
+        return None
+    out: list[dict[str, Any] | None] = [None]
+    for entry in prompt.entries:
+        out.append({str(t.token_id): {"logprob": t.logprob, "rank": t.rank, "decoded_token": t.token}
+                    for t in entry[:1 + k]})
+    return out
+
+
 def _chat_choice(c: Choice) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": c.text}
     if c.tool_calls:
@@ -98,18 +129,26 @@ def _chat_choice(c: Choice) -> dict[str, Any]:
             "finish_reason": finish_reason(c.finish_reason)}
 
 
-def _text_choice(c: Choice) -> dict[str, Any]:
-    return {"index": c.index, "text": c.text or "", "logprobs": completion_logprobs(c.logprobs),
+def _text_choice(c: Choice, prompt: PromptRendering) -> dict[str, Any]:
+    echoed = c.prompt_logprobs if prompt.echo_logprobs is not None else None
+    body = {"index": c.index, "text": c.text or "",
+            "logprobs": completion_logprobs(c.logprobs, 0, echoed, prompt.echo_logprobs or 0),
             "finish_reason": finish_reason(c.finish_reason)}
+    if prompt.prompt_logprobs is not None:
+        body["prompt_logprobs"] = vllm_prompt_logprobs(c.prompt_logprobs, prompt.prompt_logprobs)
+    return body
 
 
 def result_body(result: CompletionResult) -> dict[str, Any]:
     """A `chat.completion` or `text_completion` body."""
     chat = result.kind == "chat"
-    return {"id": result.request_id, "object": "chat.completion" if chat else "text_completion",
+    body = {"id": result.request_id, "object": "chat.completion" if chat else "text_completion",
             "created": result.created, "model": result.model,
-            "choices": [(_chat_choice if chat else _text_choice)(c) for c in result.choices],
+            "choices": [_chat_choice(c) if chat else _text_choice(c, result.prompt) for c in result.choices],
             "usage": usage_body(result.usage)}
+    if chat and result.prompt.prompt_logprobs is not None and result.choices:  # vLLM's: beside the choices
+        body["prompt_logprobs"] = vllm_prompt_logprobs(result.choices[0].prompt_logprobs, result.prompt.prompt_logprobs)
+    return body
 
 
 def stream_chunks(stream: CompletionStream, event: StreamEvent) -> list[dict[str, Any]]:
@@ -125,6 +164,7 @@ def stream_chunks(stream: CompletionStream, event: StreamEvent) -> list[dict[str
         return [{**head, "choices": [{"index": i, "text": prefix, "logprobs": None, "finish_reason": None}]}
                 for i, prefix in event.choice_to_prefix if event.echo]
     if isinstance(event, ChoiceDelta):
+        rendering = stream.prompt
         if chat:
             delta: dict[str, Any] = {"content": event.text} if event.text or (
                 event.finish_reason is None and not event.tool_calls) else {}
@@ -132,12 +172,40 @@ def stream_chunks(stream: CompletionStream, event: StreamEvent) -> list[dict[str
                 delta["tool_calls"] = [tool_call_body(call, i) for i, call in event.tool_calls]
             choice = {"index": event.index, "delta": delta, "logprobs": chat_logprobs(event.logprobs),
                       "finish_reason": finish_reason(event.finish_reason)}
-        else:
-            choice = {"index": event.index, "text": event.text, "logprobs": completion_logprobs(event.logprobs),
-                      "finish_reason": finish_reason(event.finish_reason)}
+            chunk = {**head, "choices": [choice]}
+            if rendering.prompt_logprobs is not None and event.prompt_logprobs is not None:
+                chunk["prompt_logprobs"] = vllm_prompt_logprobs(event.prompt_logprobs, rendering.prompt_logprobs)
+            return [chunk]
+        echoed = event.prompt_logprobs if rendering.echo_logprobs is not None else None
+        choice = {"index": event.index, "text": event.text,
+                  "logprobs": completion_logprobs(event.logprobs, 0, echoed, rendering.echo_logprobs or 0),
+                  "finish_reason": finish_reason(event.finish_reason)}
+        if rendering.prompt_logprobs is not None and event.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(event.prompt_logprobs, rendering.prompt_logprobs)
         return [{**head, "choices": [choice]}]
     if isinstance(event, StreamEnd):
         return [{**head, "choices": [], "usage": usage_body(event.usage)}]
     assert isinstance(event, StreamFailed)
     kind = "server_error" if event.param is None else "invalid_request_error"
     return [{"error": {"message": event.message, "type": kind, "param": event.param, "code": event.code}}]
+
+
+def embedding_vector(values: list[float], encoding_format: str) -> list[float] | str:
+    """`base64`: the float32 values' little-endian bytes, base64-encoded (what OpenAI's client decodes)."""
+    if encoding_format != "base64":
+        return values
+    packed = array.array("f", values)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return base64.b64encode(packed.tobytes()).decode("ascii")
+
+
+def embedding_body(result: EmbeddingResult, encoding_format: str) -> dict[str, Any]:
+    """OpenAI's embeddings list; its usage carries the prompt tokens and the energy and cost fields."""
+    usage = usage_body(result.usage)
+    for name in ("completion_tokens", "prompt_tokens_details"):
+        usage.pop(name, None)
+    return {"object": "list", "model": result.model, "id": result.request_id,
+            "data": [{"object": "embedding", "index": i, "embedding": embedding_vector(v, encoding_format)}
+                     for i, v in enumerate(result.embeddings)],
+            "usage": usage}

@@ -3,6 +3,7 @@ principal auth found; the cancel signal set when the client disconnects), call t
 result (gateway/render.py) as a JSON body or a server-sent-event stream (streaming.py).
 
     GET  /v1/models            POST /v1/completions            POST /v1/chat/completions
+    POST /v1/embeddings        POST /tokenize, /detokenize (vLLM's shapes)
     GET  /v1/usage[?since=&group_by=&tenant=]
 """
 
@@ -17,10 +18,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenfactory.gateway.auth import principal_of
-from tokenfactory.gateway.render import result_body, stream_chunks
+from tokenfactory.gateway.render import embedding_body, result_body, stream_chunks
 from tokenfactory.gateway.streaming import EventStream, sse
 from tokenfactory.service.call import Call
-from tokenfactory.service.protocol import ChatCompletionRequest, CompletionRequest
+from tokenfactory.service.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    TokenizeRequest,
+)
 from tokenfactory.service.results import CompletionResult, CompletionStream, StreamEnd, StreamFailed
 from tokenfactory.service.service import RequestService
 
@@ -107,3 +114,19 @@ def install_openai_routes(app: FastAPI, service: RequestService, send_timeout_s:
         call = call_of(request)
         result = await until_disconnect(request, call, service.chat(call, body))
         return answer(result, include_usage(body), send_timeout_s)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        call = call_of(request)
+        result = await until_disconnect(request, call, service.embeddings(call, body))
+        return JSONResponse(embedding_body(result, body.encoding_format))
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        result = await service.tokenize(body)
+        return {"count": len(result.token_ids), "max_model_len": result.max_model_len, "tokens": result.token_ids,
+                "token_strs": result.token_strs}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        return {"prompt": await service.detokenize(body)}

@@ -57,6 +57,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=engine_default("num_speculative_tokens"),
                    help="most draft tokens per sequence and step: more pays when drafts are accepted, costs compute "
                         "when they are not")
+    p.add_argument("--pooling", default=engine_default("pooling"), choices=["auto", "last", "mean"],
+                   help="/v1/embeddings' pooling of the final hidden states: auto (the model's own setting, from its "
+                        "sentence-transformers folder or GGUF metadata, else the last token), last or mean")
     p.add_argument("--scheduling-policy", default=None,
                    help="waiting-queue order: fcfs, vtc (priority bands + weighted fair share in tokens) or "
                         "vtc-joules (the same, counted in measured joules); default vtc with --auth (the "
@@ -78,7 +81,7 @@ def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201 - EngineC
                         single_thread_step_tokens=getattr(args, "single_thread_step_tokens", None),
                         machine_profile=getattr(args, "machine_profile", "auto"),
                         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
-                        scheduling_policy=scheduling_policy(args))
+                        pooling=getattr(args, "pooling", "auto"), scheduling_policy=scheduling_policy(args))
 
 
 def dense_path(flag: str) -> str:

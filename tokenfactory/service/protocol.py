@@ -78,7 +78,10 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # a fleet keeps a user's session on one replica with --sticky-sessions
+    # Token id (as a string, OpenAI's shape) -> bias in [-100, 100]; ids are checked against the model's vocabulary.
     logit_bias: dict[str, float] | None = None
+    # vLLM's: each prompt token's logprob and the top ones (completions: in each choice; chat: beside the choices)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # vLLM's extra sampling parameters
     top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
@@ -107,9 +110,9 @@ class SamplingFields(BaseModel):
                   "structured_outputs": self.structured_outputs.fields() if self.structured_outputs else None}
         return specs + guided_grammar(fields)
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        if self.logit_bias:
-            raise ParameterError("logit_bias", "logit_bias is not supported by this server")
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """`prompt_logprobs`: what the engine computes for the prompt (None: the request's own field)."""
         if self.stream_options is not None and not self.stream:
             raise ParameterError("stream_options", "stream_options is only allowed when stream is true")
         return SamplingParams(
@@ -128,19 +131,41 @@ class SamplingFields(BaseModel):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+            logit_bias=logit_bias_ids(self.logit_bias),
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             speculative=self.speculative,
         )
 
 
+def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's logit_bias (token ids as strings) as ids; the values are checked by SamplingParams."""
+    ids: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        if not key.strip().isdigit():
+            raise ParameterError("logit_bias", f"logit_bias keys must be token ids written as strings (\"1234\"), "
+                                 f"got {key!r}")
+        ids[int(key)] = value
+    return ids
+
+
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS)  # the legacy endpoint's default
+    # The legacy endpoint's default is 16; 0 computes the prompt only (with echo and logprobs: its logprobs, which
+    # is how lm-evaluation-harness scores loglikelihood tasks).
+    max_tokens: int | None = Field(16, ge=0, le=MAX_TOKENS)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """What the engine computes for the prompt: echo with logprobs shows the prompt's, and prompt_logprobs
+        asks for them too (the larger of the two; each is rendered with its own count)."""
+        wanted = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
+        return max(wanted) if wanted else None
 
 
 class ChatMessage(BaseModel):
@@ -160,6 +185,22 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
+def messages_as_dicts(messages: list[ChatMessage], field: str = "messages") -> list[dict]:
+    """Each message as the chat template takes it: role, text content, any extra string fields, and an
+    assistant turn's `tool_calls` (models/tools.py renders them)."""
+    out = []
+    for i, m in enumerate(messages):
+        message = {**{k: v for k, v in (m.model_extra or {}).items() if isinstance(v, str)}, "role": m.role,
+                   "content": m.text()}
+        calls = (m.model_extra or {}).get("tool_calls")
+        if calls:
+            message["tool_calls"] = tool_calls_of(calls, f"{field}[{i}].tool_calls")
+            if m.content is None:
+                message["content"] = None
+        out.append(message)
+    return out
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=0, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
@@ -176,19 +217,7 @@ class ChatCompletionRequest(SamplingFields):
     context_compression: CompressionOptions | None = None
 
     def messages_as_dicts(self) -> list[dict]:
-        """Each message as the chat template takes it: role, text content, any extra string fields, and an
-        assistant turn's `tool_calls` (models/tools.py renders them)."""
-        out = []
-        for i, m in enumerate(self.messages):
-            message = {**{k: v for k, v in (m.model_extra or {}).items() if isinstance(v, str)}, "role": m.role,
-                       "content": m.text()}
-            calls = (m.model_extra or {}).get("tool_calls")
-            if calls:
-                message["tool_calls"] = tool_calls_of(calls, f"messages[{i}].tool_calls")
-                if m.content is None:
-                    message["content"] = None
-            out.append(message)
-        return out
+        return messages_as_dicts(self.messages)
 
     def check_supported(self) -> None:
         if not self.messages:
@@ -214,6 +243,41 @@ def tool_calls_of(calls: object, param: str) -> list[dict[str, Any]]:
         out.append({"id": str(call.get("id", "")), "type": "function",
                     "function": {"name": fn["name"], "arguments": arguments}})
     return out
+
+
+class EmbeddingRequest(BaseModel):
+    """POST /v1/embeddings: one vector per input (a string, strings, token ids, or lists of token ids)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    dimensions: int | None = Field(None, ge=1)  # the first `dimensions` values, renormalised
+    encoding_format: Literal["float", "base64"] = "float"  # base64: little-endian float32 bytes, as OpenAI's
+    user: str | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's POST /tokenize: a `prompt` (as completions takes it) or `messages` (through the chat template)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
+    add_special_tokens: bool | None = None  # None: True for a prompt, False for messages (the template adds them)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ParameterError("prompt", "give either prompt or messages")
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's POST /detokenize."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0, le=MAX_TOP_K)]] = Field(max_length=MAX_TOKENS)
 
 
 def check_unicode(body: BaseModel) -> None:

@@ -56,12 +56,40 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """A prompt's logprobs (SamplingParams.prompt_logprobs): its first token's text (nothing precedes it, so it
+    has no logprob), then per later token its own Logprob followed by the top ones."""
+
+    first_token: str
+    entries: list[list[Logprob]]
+
+    @classmethod
+    def of(cls, out: RequestOutput, first_token: str) -> PromptLogprobs | None:
+        if out.prompt_logprobs is None or any(e is None for e in out.prompt_logprobs[1:]):
+            return None
+        return cls(first_token, [e for e in out.prompt_logprobs[1:] if e is not None])
+
+
+@dataclass(frozen=True)
 class Choice:
     index: int
     text: str | None  # None: an answer that is only tool calls
     finish_reason: FinishReason | None
     logprobs: list[list[Logprob]] | None
     tool_calls: tuple[ToolCall, ...] = ()
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+@dataclass(frozen=True)
+class PromptRendering:
+    """How a request shows its prompt's logprobs: `echo_logprobs` top ones per prompt token inside the completion's
+    logprobs (echo with logprobs), `prompt_logprobs` top ones in vLLM's separate field; None: not shown."""
+
+    echo_logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+
+NO_PROMPT_LOGPROBS = PromptRendering()
 
 
 @dataclass(frozen=True)
@@ -72,6 +100,23 @@ class CompletionResult:
     created: int
     choices: tuple[Choice, ...]
     usage: Usage
+    prompt: PromptRendering = NO_PROMPT_LOGPROBS
+
+
+@dataclass(frozen=True)
+class EmbeddingResult:
+    request_id: str
+    model: str
+    created: int
+    embeddings: tuple[list[float], ...]  # one per input, in order
+    usage: Usage
+
+
+@dataclass(frozen=True)
+class TokenizeResult:
+    token_ids: list[int]
+    max_model_len: int
+    token_strs: list[str] | None  # each token decoded alone (return_token_strs)
 
 
 @dataclass(frozen=True)
@@ -89,6 +134,7 @@ class ChoiceDelta:
     logprobs: list[list[Logprob]] | None
     finish_reason: FinishReason | None
     tool_calls: tuple[tuple[int, ToolCall], ...] = ()  # calls completed in this delta, with their index
+    prompt_logprobs: PromptLogprobs | None = None  # with a choice's first delta, when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -111,9 +157,10 @@ class CompletionStream:
     engine requests that have not finished and settling the request as aborted if it did not finish."""
 
     def __init__(self, kind: Kind, request_id: str, model: str, created: int, events: AsyncIterator[StreamEvent],
-                 on_close: Callable[[], Awaitable[None]]) -> None:
+                 on_close: Callable[[], Awaitable[None]], prompt: PromptRendering = NO_PROMPT_LOGPROBS) -> None:
         self.kind, self.request_id, self.model, self.created = kind, request_id, model, created
         self._events, self._on_close = events, on_close
+        self.prompt = prompt
 
     def __aiter__(self) -> AsyncIterator[StreamEvent]:
         return self._events

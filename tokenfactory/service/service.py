@@ -2,6 +2,8 @@
 
     service.chat(call, ChatCompletionRequest)     -> CompletionResult | CompletionStream
     service.completions(call, CompletionRequest)  -> CompletionResult | CompletionStream
+    service.embeddings(call, EmbeddingRequest)    -> EmbeddingResult (prefill-only engine requests, one row)
+    service.tokenize(TokenizeRequest) / detokenize(DetokenizeRequest)  the model's tokenizer, nothing admitted
     service.usage(call, since, group_by, tenant)  -> UsageReport
     service.model(name) / service.models          the served models (one engine client, or a fleet, each)
 
@@ -42,26 +44,35 @@ from tokenfactory.service.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     CompressionOptions,
+    DetokenizeRequest,
+    EmbeddingRequest,
     SamplingFields,
+    TokenizeRequest,
     check_unicode,
+    messages_as_dicts,
 )
 from tokenfactory.service.results import (
+    NO_PROMPT_LOGPROBS,
     Choice,
     ChoiceDelta,
     CompletionResult,
     CompletionStream,
     CompressionUsage,
+    EmbeddingResult,
     Kind,
+    PromptLogprobs,
+    PromptRendering,
     StreamEnd,
     StreamEvent,
     StreamFailed,
     StreamStart,
+    TokenizeResult,
     Usage,
 )
 from tokenfactory.service.settlement import Settlement
 from tokenfactory.service.structured import ToolPlan, one_constraint, plan_tools, request_grammar
 from tokenfactory.service.tenancy import Tenancy
-from tokenfactory.types import FinishReason, GrammarSpec, ParameterError, RequestOutput, SamplingParams
+from tokenfactory.types import FinishReason, GrammarSpec, ParameterError, PoolingParams, RequestOutput, SamplingParams
 
 USAGE_GROUPS = (None, "day", "tenant", "model", "replica")
 
@@ -99,7 +110,7 @@ class Prepared:
 
     text: str | None
     token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
 
 
 @dataclass(frozen=True)
@@ -158,15 +169,17 @@ class RequestService:
         if body.best_of not in (None, 1) or body.suffix is not None:
             raise ParameterError("best_of" if body.suffix is None else "suffix",
                                  "best_of and suffix are not supported by this server")
-        body.sampling_params(body.max_tokens, body.logprobs)  # cheap checks before tokenizing anything
+        prompt_logprobs = body.engine_prompt_logprobs
+        body.sampling_params(body.max_tokens, body.logprobs, prompt_logprobs)  # cheap checks before tokenizing
         grammar = one_constraint(body.output_constraints())
         if grammar is not None:
             await asyncio.to_thread(validate_grammar, grammar)  # a 400 naming the field, before any work
-        prompts = await asyncio.to_thread(normalize_prompts, body.prompt, served.engine.tokenizer)
-        prepared = [prepare(served, body, text, ids, body.max_tokens, body.logprobs, grammar)
+        prompts = await asyncio.to_thread(normalize_prompts, body.prompt, served.engine.tokenizer, body.echo)
+        prepared = [prepare(served, body, text, ids, body.max_tokens, body.logprobs, grammar, prompt_logprobs)
                     for text, ids in prompts]
         request_id = call.request_id or f"cmpl-{uuid.uuid4().hex}"
-        return await self._run(call, request_id, "text", body, prepared, served, echo=body.echo)
+        rendering = PromptRendering(body.logprobs if body.echo else None, body.prompt_logprobs)
+        return await self._run(call, request_id, "text", body, prepared, served, echo=body.echo, prompt=rendering)
 
     async def chat(self, call: Call, body: ChatCompletionRequest) -> CompletionResult | CompletionStream:
         served = self.model(body.model)
@@ -194,7 +207,62 @@ class RequestService:
                                                     body.add_generation_prompt, body.tools)
         prepared = [prepare(served, body, text, ids, max_tokens, logprobs, grammar)]
         usage = compression.usage() if compression is not None else None
-        return await self._run(call, request_id, "chat", body, prepared, served, compression=usage, tools=tools)
+        return await self._run(call, request_id, "chat", body, prepared, served, compression=usage, tools=tools,
+                               prompt=PromptRendering(None, body.prompt_logprobs))
+
+    async def embeddings(self, call: Call, body: EmbeddingRequest) -> EmbeddingResult:
+        """One prefill-only engine request per input, its vector pooled as the engine pools (ModelInfo.pooling);
+        admitted, metered and written to the ledger (one row) like any request."""
+        served = self.model(body.model)
+        check_unicode(body)
+        info = served.engine.info
+        params = PoolingParams(dimensions=body.dimensions)
+        info.check_params(params)
+        prompts = await asyncio.to_thread(normalize_prompts, body.input, served.engine.tokenizer, False, "input")
+        for _, ids in prompts:
+            try:
+                info.check_prompt(ids, generates=False)
+            except ParameterError as e:
+                raise ParameterError("input", str(e).replace("the prompt", "an input")) from e
+        request_id = call.request_id or f"embd-{uuid.uuid4().hex}"
+        self.check_alive(served)
+        adds, settlement, reservation = self._reserve(call, request_id, served, [
+            Prepared(text, ids, params) for text, ids in prompts], body.user)
+        latest: dict[int, RequestOutput] = {}
+        try:
+            finals = await self._collect(call, served, adds, latest, reservation)
+        except BaseException as e:
+            settlement.start([latest.get(i) for i in range(len(adds))], "failed" if isinstance(e, APIError)
+                             else "aborted")
+            raise
+        energy = await settlement.settle(list(finals), "finished")
+        return EmbeddingResult(request_id, served.name, int(time.time()),
+                               tuple(out.embedding or [] for out in finals), Usage.of(finals, energy))
+
+    async def tokenize(self, body: TokenizeRequest) -> TokenizeResult:
+        """The model's own tokens for a prompt or (through its chat template) messages; nothing is admitted."""
+        served = self.model(body.model)
+        check_unicode(body)
+        body.check()
+        tokenizer = served.engine.tokenizer
+
+        def run() -> TokenizeResult:
+            if body.messages is not None:
+                rendered, ids = chat_prompt(tokenizer, messages_as_dicts(body.messages),
+                                            body.add_generation_prompt)
+                if body.add_special_tokens:
+                    ids = tokenizer.encode(rendered)
+            else:
+                ids = tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens is not False)
+            strs = [tokenizer.decode([t], skip_special_tokens=False) for t in ids] if body.return_token_strs else None
+            return TokenizeResult(ids, served.engine.info.max_model_len, strs)
+
+        return await asyncio.to_thread(run)
+
+    async def detokenize(self, body: DetokenizeRequest) -> str:
+        served = self.model(body.model)
+        served.engine.info.check_token_ids(body.tokens)
+        return await asyncio.to_thread(served.engine.tokenizer.decode, body.tokens, skip_special_tokens=False)
 
     async def usage(self, call: Call, since: str | None, group_by: str | None,
                     tenant: str | None = None) -> UsageReport:
@@ -218,26 +286,15 @@ class RequestService:
 
     async def _run(self, call: Call, request_id: str, kind: Kind, body: SamplingFields, prepared: list[Prepared],
                    served: Served, *, echo: bool = False, compression: CompressionUsage | None = None,
-                   tools: ToolPlan | None = None) -> CompletionResult | CompletionStream:
+                   tools: ToolPlan | None = None, prompt: PromptRendering = NO_PROMPT_LOGPROBS
+                   ) -> CompletionResult | CompletionStream:
         self.check_alive(served)
-        # The caller's limits are checked and its worst case reserved (queue slots, concurrency, tokens,
-        # budget); the Settlement releases all of it exactly once, on every way out.
-        worst_tokens = sum(len(p.token_ids) + p.params.n * (p.params.max_tokens or 0) for p in prepared)
-        reservation = self.tenancy.admit(call.principal, request_id, worst_tokens, num_prompts=len(prepared),
-                                         model=served.name)
-        try:
-            priority = call.priority if call.priority is not None else reservation.priority
-            adds = [AddRequest(f"{request_id}-{i}", p.token_ids, p.text, p.params, time.monotonic(),
-                               reservation.tenant, priority, body.user) for i, p in enumerate(prepared)]
-            settlement = Settlement(self.accounting, self.pending, request_id, adds, reservation, served.name)
-        except BaseException:
-            reservation.cancel()
-            raise
+        adds, settlement, reservation = self._reserve(call, request_id, served, prepared, body.user)
         created = int(time.time())
         constrained = any(p.params.grammar is not None for p in prepared)
         if body.stream:
             return self._stream(call, kind, request_id, created, served, adds, settlement, echo, compression,
-                                tools, constrained)
+                                tools, constrained, prompt)
         latest: dict[int, RequestOutput] = {}
         try:
             finals = await self._collect(call, served, adds, latest, reservation)
@@ -248,12 +305,31 @@ class RequestService:
         choices = []
         for i, out in enumerate(finals):
             n = len(out.outputs)
+            prompt_logprobs = prompt_logprobs_of(out, served.engine.tokenizer)
             for c in out.outputs:
                 prefix = (out.prompt or "") if echo else ""
-                choices.append(_choice(i * n + c.index, prefix + c.text, c.finish_reason, c.logprobs, tools))
+                choices.append(_choice(i * n + c.index, prefix + c.text, c.finish_reason, c.logprobs, tools,
+                                       prompt_logprobs))
         energy = await settlement.settle(list(finals), "finished")
         return CompletionResult(kind, request_id, served.name, created, tuple(choices),
-                                Usage.of(finals, energy, compression, constrained))
+                                Usage.of(finals, energy, compression, constrained), prompt)
+
+    def _reserve(self, call: Call, request_id: str, served: Served, prepared: list[Prepared],
+                 user: str | None) -> tuple[list[AddRequest], Settlement, Reservation]:
+        """The caller's limits checked and its worst case reserved (queue slots, concurrency, tokens, budget), and
+        the engine requests made; the Settlement releases all of it exactly once, on every way out."""
+        worst_tokens = sum(len(p.token_ids) + _worst_new_tokens(p.params) for p in prepared)
+        reservation = self.tenancy.admit(call.principal, request_id, worst_tokens, num_prompts=len(prepared),
+                                         model=served.name)
+        try:
+            priority = call.priority if call.priority is not None else reservation.priority
+            adds = [AddRequest(f"{request_id}-{i}", p.token_ids, p.text, p.params, time.monotonic(),
+                               reservation.tenant, priority, user) for i, p in enumerate(prepared)]
+            settlement = Settlement(self.accounting, self.pending, request_id, adds, reservation, served.name)
+        except BaseException:
+            reservation.cancel()
+            raise
+        return adds, settlement, reservation
 
     async def _collect(self, call: Call, served: Served, adds: list[AddRequest], latest: dict[int, RequestOutput],
                        reservation: Reservation) -> list[RequestOutput]:
@@ -294,14 +370,14 @@ class RequestService:
     def _stream(self, call: Call, kind: Kind, request_id: str, created: int, served: Served,
                 adds: list[AddRequest], settlement: Settlement, echo: bool,
                 compression: CompressionUsage | None, tools: ToolPlan | None = None,
-                constrained: bool = False) -> CompletionStream:
+                constrained: bool = False, prompt: PromptRendering = NO_PROMPT_LOGPROBS) -> CompletionStream:
         latest: dict[int, RequestOutput] = {}
         events = self._events(served, adds, settlement, latest, echo, compression, tools, constrained)
 
         async def on_close() -> None:  # the stream's own settlement, or this one if it never finished
             await settlement.settle([latest.get(i) for i in range(len(adds))], "aborted")
 
-        return CompletionStream(kind, request_id, served.name, created, events, on_close)
+        return CompletionStream(kind, request_id, served.name, created, events, on_close, prompt)
 
     async def _events(self, served: Served, adds: list[AddRequest], settlement: Settlement,
                       latest: dict[int, RequestOutput], echo: bool, compression: CompressionUsage | None,
@@ -313,6 +389,8 @@ class RequestService:
         finals: dict[int, RequestOutput] = {}
         sent_finish: dict[int, set[int]] = {}  # per prompt, the choices whose finish was sent
         calls = ToolDeltas(tools) if tools is not None and tools.parse else None
+        sent_prompt: set[int] = set()  # prompts whose prompt logprobs went out (with their first output)
+        tokenizer = served.engine.tokenizer
         try:
             yield StreamStart(tuple((i * a.params.n + k, (a.prompt or "") if echo else "")
                                     for i, a in enumerate(adds) for k in range(a.params.n)), echo)
@@ -332,7 +410,10 @@ class RequestService:
                         settlement.reservation.leave_queue(i)
                     self.observer.on_output(served.name, out)
                     latest[i] = out
-                    for delta in choice_deltas(i, out, sent_finish.setdefault(i, set())):
+                    prompt_logprobs = None  # sent once, with the first output that has them all
+                    if i not in sent_prompt and (prompt_logprobs := prompt_logprobs_of(out, tokenizer)) is not None:
+                        sent_prompt.add(i)
+                    for delta in choice_deltas(i, out, sent_finish.setdefault(i, set()), prompt_logprobs):
                         if calls is not None and (delta := calls.split(delta)) is None:
                             continue  # held: the text so far may be the start of a call
                         yield delta
@@ -389,10 +470,10 @@ class RequestService:
 
 
 def prepare(served: Served, body: SamplingFields, text: str | None, ids: list[int], max_tokens: int | None,
-            logprobs: int | None, grammar: GrammarSpec | None = None) -> Prepared:
+            logprobs: int | None, grammar: GrammarSpec | None = None, prompt_logprobs: int | None = None) -> Prepared:
     """One prompt checked against the model (ids, length, room for max_tokens, model-dependent values)."""
     info = served.engine.info
-    info.check_prompt(ids)
+    info.check_prompt(ids, generates=max_tokens != 0)
     room = info.max_model_len - len(ids)
     if max_tokens is None:
         max_tokens = room
@@ -400,11 +481,21 @@ def prepare(served: Served, body: SamplingFields, text: str | None, ids: list[in
         raise ParameterError(
             "max_tokens", f"this model's context window is {info.max_model_len} model tokens; the prompt has "
             f"{len(ids)} and max_tokens asks for {max_tokens} more: lower max_tokens to at most {room}")
-    params = body.sampling_params(max_tokens, logprobs)
+    params = body.sampling_params(max_tokens, logprobs, prompt_logprobs)
     if grammar is not None:
         params = dataclasses.replace(params, grammar=grammar)
     info.check_params(params)
     return Prepared(text, ids, params)
+
+
+def _worst_new_tokens(params: SamplingParams | PoolingParams) -> int:
+    return 0 if isinstance(params, PoolingParams) else params.n * (params.max_tokens or 0)
+
+
+def prompt_logprobs_of(out: RequestOutput, tokenizer: Tokenizer) -> PromptLogprobs | None:
+    if out.prompt_logprobs is None or not out.prompt_token_ids:
+        return None
+    return PromptLogprobs.of(out, tokenizer.decode(out.prompt_token_ids[:1], skip_special_tokens=False))
 
 
 def chat_prompt(tokenizer: Tokenizer, messages: list[dict], add_generation_prompt: bool,
@@ -418,47 +509,67 @@ def chat_prompt(tokenizer: Tokenizer, messages: list[dict], add_generation_promp
     return text, tokenizer.encode(text, add_special_tokens=False)
 
 
-def normalize_prompts(prompt: str | list, tokenizer: Tokenizer) -> list[tuple[str | None, list[int]]]:
+def normalize_prompts(prompt: str | list, tokenizer: Tokenizer, echo: bool = False,
+                      field: str = "prompt") -> list[tuple[str | None, list[int]]]:
+    """Each prompt's text and ids. Token-id prompts have no text, unless `echo` shows it: then it is decoded."""
+    prompts = _prompt_list(prompt, tokenizer, field)
+    if echo:
+        return [(text if text is not None else _decode(tokenizer, ids), ids) for text, ids in prompts]
+    return prompts
+
+
+def _decode(tokenizer: Tokenizer, ids: list[int]) -> str | None:
+    try:
+        return tokenizer.decode(ids, skip_special_tokens=False)
+    except Exception:  # noqa: BLE001 - ids outside the vocabulary: prepare() names them
+        return None
+
+
+def _prompt_list(prompt: str | list, tokenizer: Tokenizer, field: str) -> list[tuple[str | None, list[int]]]:
     if isinstance(prompt, str):
         return [(prompt, tokenizer.encode(prompt))]
     if not prompt:
-        raise ParameterError("prompt", "prompt must not be empty")
+        raise ParameterError(field, f"{field} must not be empty")
     if all(isinstance(p, int) for p in prompt):
         return [(None, list(prompt))]  # checked in prepare()
     if len(prompt) > MAX_PROMPTS:
-        raise ParameterError("prompt", f"at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}")
+        raise ParameterError(field, f"at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}")
     if all(isinstance(p, str) for p in prompt):
         return [(p, tokenizer.encode(p)) for p in prompt]
     if all(isinstance(p, list) for p in prompt):
         return [(None, list(p)) for p in prompt]
-    raise ParameterError("prompt", "prompt must be a string, a list of strings, a list of token ids, "
+    raise ParameterError(field, f"{field} must be a string, a list of strings, a list of token ids, "
                          "or a list of lists of token ids")
 
 
-def choice_deltas(prompt_index: int, out: RequestOutput, sent_finish: set[int]) -> list[ChoiceDelta]:
+def choice_deltas(prompt_index: int, out: RequestOutput, sent_finish: set[int],
+                  prompt_logprobs: PromptLogprobs | None = None) -> list[ChoiceDelta]:
     """What is new in `out` for each of its choices; `sent_finish` (updated): choices whose finish was sent
-    already (an output carries every choice of its request, finished ones too)."""
+    already (an output carries every choice of its request, finished ones too). `prompt_logprobs`: the
+    prompt's, with the prompt's first output (each of its choices carries them)."""
     deltas = []
     n = len(out.outputs)
     for c in out.outputs:
-        if c.index in sent_finish or (not c.token_ids_delta and not c.text_delta and not c.finished):
+        if c.index in sent_finish or (not c.token_ids_delta and not c.text_delta and not c.finished
+                                      and prompt_logprobs is None):
             continue
         deltas.append(ChoiceDelta(prompt_index * n + c.index, c.text_delta, c.logprobs_delta or None,
-                                  c.finish_reason))
+                                  c.finish_reason,
+                                  prompt_logprobs=prompt_logprobs))
         if c.finished:
             sent_finish.add(c.index)
     return deltas
 
 
 def _choice(index: int, text: str, reason: FinishReason | None, logprobs: list | None,
-            tools: ToolPlan | None) -> Choice:
+            tools: ToolPlan | None, prompt_logprobs: PromptLogprobs | None = None) -> Choice:
     """A finished choice; with tools, its text split into content and calls ("tool_calls" when it holds any)."""
     if tools is None:
-        return Choice(index, text, reason, logprobs)
+        return Choice(index, text, reason, logprobs, prompt_logprobs=prompt_logprobs)
     parsed = tools.parse_output(text)
     if parsed.tool_calls and reason is FinishReason.STOP:
         reason = FinishReason.TOOL_CALLS
-    return Choice(index, parsed.content, reason, logprobs, parsed.tool_calls)
+    return Choice(index, parsed.content, reason, logprobs, parsed.tool_calls, prompt_logprobs)
 
 
 class ToolDeltas:
@@ -478,6 +589,6 @@ class ToolDeltas:
             content, calls = content + last.content, calls + last.tool_calls
             if stream.calls and reason is FinishReason.STOP:
                 reason = FinishReason.TOOL_CALLS
-        if not content and not calls and reason is None and not delta.logprobs:
+        if not content and not calls and reason is None and not delta.logprobs and delta.prompt_logprobs is None:
             return None
-        return ChoiceDelta(delta.index, content, delta.logprobs, reason, calls)
+        return ChoiceDelta(delta.index, content, delta.logprobs, reason, calls, delta.prompt_logprobs)
