@@ -19,7 +19,7 @@ serve: install
 	$(VENV)/bin/tokenfactory serve
 
 test: install
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q --durations=30
 
 test-quick: install
 	$(VENV)/bin/pytest -q -m "not slow"
