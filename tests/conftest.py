@@ -15,6 +15,10 @@ if "TOKENFACTORY_PROFILE_CACHE" not in os.environ:
     os.environ["TOKENFACTORY_PROFILE_CACHE"] = tempfile.mkdtemp(prefix="tokenfactory-profiles-")
     atexit.register(shutil.rmtree, os.environ["TOKENFACTORY_PROFILE_CACHE"], ignore_errors=True)
 
+# A Ray this session starts runs in Ray's single-machine mode (every server on 127.0.0.1): set before anything
+# imports ray, which reads it once (fleet/ray_cluster.py).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
 from tokenfactory.models.loader import LoadedModel, load_model
 
 
@@ -32,10 +36,12 @@ def hf_reference(bundled: LoadedModel):
 
 @pytest.fixture(scope="session")
 def ray_address() -> str:
-    """One real local Ray for the whole test session (the fleet's Ray replicas), shut down at its end."""
+    """One real local Ray for the whole test session (the fleet's Ray replicas), started as `serve --ray`
+    starts one (fleet/ray_cluster.py: 127.0.0.1 only, checked; token auth), shut down at its end."""
     import ray
 
-    info = ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, object_store_memory=256 << 20,
-                    configure_logging=False)
-    yield info.address_info["address"]
+    from tokenfactory.fleet.ray_cluster import connect
+
+    session = connect(None, num_cpus=4, object_store_memory=256 << 20)
+    yield session.address
     ray.shutdown()

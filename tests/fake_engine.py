@@ -51,7 +51,7 @@ from tokenfactory.engine.client import (
     SetTenantWeight,
     Shutdown,
 )
-from tokenfactory.engine.output_stream import OutputStream, RequestFailed, read_outputs
+from tokenfactory.engine.output_stream import OutputStream, RequestAborted, RequestFailed, read_outputs
 from tokenfactory.types import (
     CompletionOutput,
     FinishReason,
@@ -282,12 +282,14 @@ class FakeEngineClient(ClientBase):
             self.num_added += 1
             self.inbox.put(request)
 
-        def close(finished: bool) -> None:
-            self.streams.pop(request.request_id, None)
-            if not finished:
-                self.inbox.put(AbortRequest(request.request_id))
+        def abort() -> bool:
+            self.inbox.put(AbortRequest(request.request_id))
+            return self.is_alive  # answered with RequestAborted once applied (_drain_inbox)
 
-        return read_outputs(stream, start, close)
+        def close() -> None:
+            self.streams.pop(request.request_id, None)
+
+        return read_outputs(stream, start, close, abort)
 
     # -- test controls (any thread) ---------------------------------------------------------------------------
 
@@ -346,6 +348,7 @@ class FakeEngineClient(ClientBase):
                 raise RuntimeError(msg.reason)
             if isinstance(msg, AbortRequest):
                 self._abort(msg.request_id)
+                self._deliver(msg.request_id, RequestAborted(msg.request_id))
             elif isinstance(msg, SetTenantWeight):
                 self.tenant_to_weight[msg.tenant] = msg.weight
             elif isinstance(msg, ChargeEnergy):

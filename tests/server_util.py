@@ -75,14 +75,16 @@ def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: flo
     return proc.returncode
 
 
-def start_server(tmp: Path, *args: str, timeout: float = 180) -> Server:
+def start_server(tmp: Path, *args: str, timeout: float = 180, env: dict[str, str] | None = None) -> Server:
+    """`env`: the server's whole environment (default: this process's)."""
     port = free_port()
     data_dir = tmp / "data"
     log_path = tmp / f"server-{port}.log"
     cmd = [sys.executable, "-m", "tokenfactory.cli", "serve", "--port", str(port), "--data-dir", str(data_dir),
            "--kv-cache-memory", "256MiB", "--max-model-len", "2048", "--log-level", "warning", *args]
     log = open(log_path, "w")  # noqa: SIM115 - the child writes to it for its whole life
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                            env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"})
     server = Server(proc, port, data_dir, log_path)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

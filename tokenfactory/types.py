@@ -371,6 +371,10 @@ class StepStats:
     # (appended for the next step to compute as one chunk: decode steps that never run, so no joules).
     num_constrained: int = 0
     num_forced_tokens: int = 0
+    # Set by a replica that meters its own node (fleet/node_energy.py): where the step ran and whose power
+    # source measured it. None: the gateway's meter measures it.
+    node: str | None = None
+    energy_source: str | None = None
 
     @property
     def num_batched_tokens(self) -> int:

@@ -272,21 +272,33 @@ def test_a_hung_process_is_found_within_the_timeout(config) -> None:
         c.shutdown(2)
 
 
-def test_the_autoscaler_places_its_replicas_on_ray(config, ray_address) -> None:
-    """`serve --autoscaler ... --ray`: the controller's factory starts Ray actors (and restarts them the same way)."""
+def test_the_autoscaler_places_its_replicas_on_ray_metering_their_node(config, ray_address) -> None:
+    """`serve --autoscaler ... --ray`: the controller's factory starts Ray actors (and restarts them the same way),
+    each metering its own node: the request's RequestEnergy reaches the gateway's books before its final output."""
     import argparse
 
     from tokenfactory.fleet.fleet import Fleet
-    from tokenfactory.fleet.launch import cpu_power
+    from tokenfactory.fleet.launch import RayOptions, cpu_power
+    from tokenfactory.fleet.node_energy import NodeEnergy, ReplicaMetering
+    from tokenfactory.meter.prices import load_prices
     from tokenfactory.serve.autoscale import replica_factory
 
-    factory = replica_factory(argparse.Namespace(ray=ray_address, replica_timeout=5.0), config, 1, cpu_power(1))
+    prices = load_prices(None)
+    nodes = NodeEnergy(prices)
+    ray = RayOptions(ray_address, metering=ReplicaMetering(prices, "modelled"))
+    factory = replica_factory(argparse.Namespace(replica_timeout=5.0), config, 1, cpu_power(1), ray, nodes)
     replica = factory("a0", "local")
     fleet = Fleet("tiny", [replica])
     fleet.start()
     try:
-        assert replica.kind == "ray" and replica.restart is not None and replica.client.facts.node is not None
+        facts = replica.client.facts
+        assert replica.kind == "ray" and replica.restart is not None and facts.node == "127.0.0.1"
+        assert facts.energy_source == "modelled" and facts.node_id is not None
         out = asyncio.run(final(fleet, add("auto", PROMPTS[0])))
-        assert out.finished and out.replica == "a0"
+        assert out.finished and out.replica == "a0" and nodes.owns("auto")  # in the books before the output
+        energy = nodes.finish_request("auto", 10)
+        assert energy.energy_source == "modelled" and energy.energy_joules > 0 and energy.num_output_tokens == 10
+        [books] = nodes.nodes()
+        assert books.node_id == facts.node_id and books.billed_joules == energy.energy_joules
     finally:
         fleet.shutdown()

@@ -44,7 +44,7 @@ from tokenfactory.engine.client import (
     Shutdown,
 )
 from tokenfactory.engine.engine import LLMEngine
-from tokenfactory.engine.output_stream import OutputStream, RequestFailed, read_outputs
+from tokenfactory.engine.output_stream import OutputStream, RequestAborted, RequestFailed, read_outputs
 from tokenfactory.engine.worker import EngineWorker, engine_facts
 from tokenfactory.types import RequestOutput, StepStats
 
@@ -55,8 +55,10 @@ STATS_INTERVAL_S = 0.05
 __all__ = ["AbortRequest", "AddRequest", "AsyncEngine", "EngineDeadError", "OutputStream", "RequestError"]
 
 
-# What the engine thread hands the notifier: steps, then the (request id, final output or failure) they ended.
-_Notice = tuple[tuple[StepStats, ...], list[tuple[str, RequestOutput | RequestFailed]]]
+# What the engine thread hands the notifier: steps, then the (request id, final output, failure or abort's
+# acknowledgement) they ended.
+_End = RequestOutput | RequestFailed | RequestAborted
+_Notice = tuple[tuple[StepStats, ...], list[tuple[str, _End]]]
 
 
 class AsyncEngine(ClientBase):
@@ -162,12 +164,14 @@ class AsyncEngine(ClientBase):
             self.num_added += 1
             self.inbox.put(request)
 
-        def close(finished: bool) -> None:
-            self.streams.pop(request.request_id, None)
-            if not finished:
-                self.inbox.put(AbortRequest(request.request_id))
+        def abort() -> bool:
+            self.inbox.put(AbortRequest(request.request_id))
+            return self.is_alive  # the engine thread answers with RequestAborted (_drain_inbox)
 
-        return read_outputs(stream, start, close)
+        def close() -> None:
+            self.streams.pop(request.request_id, None)
+
+        return read_outputs(stream, start, close, abort)
 
     # -- engine thread ----------------------------------------------------------------------------------
 
@@ -183,7 +187,7 @@ class AsyncEngine(ClientBase):
             logger.exception("engine loop crashed")
         self._publish_stats(force=True)
         reason = self._dead_reason or "the engine was shut down"
-        ends: list[tuple[str, RequestOutput | RequestFailed]] = [
+        ends: list[tuple[str, _End]] = [
             (request_id, RequestFailed(request_id, reason, fatal=True)) for request_id in list(self.streams)]
         if self._notifier.is_alive():  # after the finals it still holds: a request that finished stays finished
             self._notices.put(((), ends))
@@ -195,7 +199,7 @@ class AsyncEngine(ClientBase):
     def _step(self) -> None:
         """One step; its outputs to their streams, its steps and what it ended through the notifier."""
         outputs, failures = self._worker.step()
-        items: list[tuple[str, RequestOutput | RequestFailed]] = [(f.request_id, f) for f in failures]
+        items: list[tuple[str, _End]] = [(f.request_id, f) for f in failures]
         items += [(out.request_id, out) for out in outputs]
         if not self._step_listeners:  # nobody to hear the steps: everything straight to the streams
             self._steps.clear()
@@ -247,13 +251,21 @@ class AsyncEngine(ClientBase):
                     continue  # the client left before the engine saw the request
             if (failure := self._worker.apply(msg)) is not None:
                 self._deliver(failure.request_id, failure)
+            if isinstance(msg, AbortRequest):  # after the steps it ran, which the notifier may still hold
+                self._end(msg.request_id, RequestAborted(msg.request_id))
 
-    def _deliver_step(self, items: list[tuple[str, RequestOutput | RequestFailed]], abort_orphans: bool = True
-                      ) -> None:
+    def _end(self, request_id: str, item: _End) -> None:
+        """An end outside a step (an abort's answer), in order with what the notifier holds."""
+        if self._notifier.is_alive():
+            self._notices.put(((), [(request_id, item)]))
+        else:
+            self._put(request_id, item)
+
+    def _deliver_step(self, items: list[tuple[str, _End]], abort_orphans: bool = True) -> None:
         """A step's outputs, one `call_soon_threadsafe` per event loop rather than one per request: each call
         wakes the loop (a write to its self-pipe) and takes the GIL from this thread, 32 times a step at 32
         streams. `abort_orphans` (the engine thread only): abort a request nobody listens to any more."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[OutputStream, RequestOutput | RequestFailed]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[OutputStream, _End]]] = {}
         for request_id, item in items:
             target = self.streams.get(request_id)
             if target is None:
@@ -274,7 +286,7 @@ class AsyncEngine(ClientBase):
         if not self._put(request_id, item) and isinstance(item, RequestOutput) and not item.finished:
             self._engine.abort_request(request_id)
 
-    def _put(self, request_id: str, item: RequestOutput | RequestFailed) -> bool:
+    def _put(self, request_id: str, item: _End) -> bool:
         """Into the request's stream (any thread); False when it has none or its event loop is closed."""
         target = self.streams.get(request_id)
         if target is None:
@@ -287,6 +299,6 @@ class AsyncEngine(ClientBase):
         return True
 
 
-def _put_all(pairs: list[tuple[OutputStream, RequestOutput | RequestFailed]]) -> None:
+def _put_all(pairs: list[tuple[OutputStream, _End]]) -> None:
     for stream, item in pairs:
         stream.put(item)

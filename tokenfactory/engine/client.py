@@ -325,6 +325,8 @@ class WorkerEvents:
     steps: tuple[StepStats, ...] = ()
     stats: EngineStats | None = None
     dead_reason: str | None = None  # set in the last batch of a worker whose engine stopped
+    aborted: tuple[str, ...] = ()  # requests whose AbortRequest the worker applied (their steps are in this batch
+    # or an earlier one): the reader that left waits for this
 
 
 class EngineClient(Protocol):

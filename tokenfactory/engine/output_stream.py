@@ -3,7 +3,10 @@
 The engine side (a thread, or a replica's receiver) calls `put` through `loop.call_soon_threadsafe`; the
 request's handler awaits `get`. When the reader has not taken the last output yet, the next is merged into
 it (the newest whole state, the deltas joined), so a client that reads slowly costs one output's memory
-whatever its speed, never a queue of copies. A `RequestFailed` is final. No torch: any EngineClient may use it.
+whatever its speed, never a queue of copies. A `RequestFailed` is final. A reader that leaves early asks the
+engine to abort and waits (bounded) for its `RequestAborted`: the engine has dropped the request and every step
+it ran for it has reached the step listeners, so the meter settles an aborted request with all its work too.
+No torch: any EngineClient may use it.
 """
 
 from __future__ import annotations
@@ -11,11 +14,19 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from tokenfactory.engine.client import EngineDeadError, RequestError, RequestFailed
 from tokenfactory.types import RequestOutput
 
-__all__ = ["OutputStream", "RequestFailed", "merge_outputs", "read_outputs"]
+__all__ = ["OutputStream", "RequestAborted", "RequestFailed", "merge_outputs", "read_outputs"]
+
+
+@dataclass(frozen=True)
+class RequestAborted:
+    """The engine's word that it dropped a request its reader left (after that request's steps were heard)."""
+
+    request_id: str
 
 
 def merge_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
@@ -42,7 +53,7 @@ class OutputStream:
         self.ready = asyncio.Event()
         self.num_merged = 0
 
-    def put(self, item: RequestOutput | RequestFailed) -> None:
+    def put(self, item: RequestOutput | RequestFailed | RequestAborted) -> None:
         if isinstance(self.pending, RequestOutput) and isinstance(item, RequestOutput):
             item = merge_outputs(self.pending, item)
             self.num_merged += 1
@@ -51,19 +62,35 @@ class OutputStream:
         self.pending = item
         self.ready.set()
 
-    async def get(self) -> RequestOutput | RequestFailed:
+    async def get(self) -> RequestOutput | RequestFailed | RequestAborted:
         await self.ready.wait()
         item, self.pending = self.pending, None
         self.ready.clear()
         assert item is not None
         return item
 
+    async def wait_aborted(self, timeout_s: float) -> bool:
+        """Until the engine's RequestAborted (or a failure: it holds nothing of the request either); the outputs
+        made meanwhile are dropped. False after `timeout_s`."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                while not isinstance(await self.get(), RequestAborted | RequestFailed):
+                    pass
+        except TimeoutError:
+            return False
+        return True
 
-def read_outputs(stream: OutputStream, start: Callable[[], None], close: Callable[[bool], None]
-                 ) -> AsyncIterator[RequestOutput]:
+
+ABORT_WAIT_S = 10.0  # how long a reader that left waits for the engine's RequestAborted (a long step, a hang)
+
+
+def read_outputs(stream: OutputStream, start: Callable[[], None], close: Callable[[], None],
+                 abort: Callable[[], bool]) -> AsyncIterator[RequestOutput]:
     """A request's outputs from its stream, as an EngineClient's `generate` yields them: `start()` (register the
     stream, send the request) runs at the first iteration, not before; a failure raises RequestError, or
-    EngineDeadError when fatal; `close(finished)` always runs after a start, so leaving early can abort."""
+    EngineDeadError when fatal. Leaving early calls `abort()` (send the engine an AbortRequest; True when it will
+    answer with RequestAborted) and waits for that answer, at most ABORT_WAIT_S; `close()` (forget the stream)
+    always runs after a start."""
 
     async def outputs() -> AsyncIterator[RequestOutput]:
         start()
@@ -76,11 +103,17 @@ def read_outputs(stream: OutputStream, start: Callable[[], None], close: Callabl
                     if item.fatal:
                         raise EngineDeadError(item.message)
                     raise RequestError(item.message, item.param)
+                if isinstance(item, RequestAborted):  # not asked for: the engine dropped it (it is shutting down)
+                    raise EngineDeadError(f"the engine dropped request {item.request_id}")
                 finished = item.finished
                 yield item
                 if finished:
                     return
         finally:
-            close(finished)
+            try:
+                if not finished and abort():
+                    await stream.wait_aborted(ABORT_WAIT_S)
+            finally:
+                close()
 
     return outputs()

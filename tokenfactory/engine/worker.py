@@ -123,11 +123,13 @@ def serve_worker(engine: LLMEngine, recv: Callable[[float | None], list[Message]
         while True:
             busy = engine.has_unfinished_requests
             failures: list[RequestFailed] = []
+            aborted: list[str] = []
             for msg in recv(0.0 if busy else HEARTBEAT_S):
                 if isinstance(msg, Shutdown):
                     return
                 if isinstance(msg, AbortRequest):
                     sent.discard(msg.request_id)
+                    aborted.append(msg.request_id)
                 if (failure := worker.apply(msg)) is not None:
                     failures.append(failure)
             outputs: list[RequestOutput] = []
@@ -143,7 +145,7 @@ def serve_worker(engine: LLMEngine, recv: Callable[[float | None], list[Message]
                     sent.add(out.request_id)
             for failure in failures:
                 sent.discard(failure.request_id)
-            emit(WorkerEvents(tuple(compact), tuple(failures), tuple(steps), engine.stats()))
+            emit(WorkerEvents(tuple(compact), tuple(failures), tuple(steps), engine.stats(), aborted=tuple(aborted)))
             steps.clear()
     except Exception as e:  # the engine itself is broken: say so once, then stop
         logger.exception("engine worker crashed")

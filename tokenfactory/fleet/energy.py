@@ -1,7 +1,8 @@
 """Energy and cost of the requests an external backend served, and the gateway's one meter over the fleet.
 
-Our own replicas' steps reach the gateway's `Meter` as `StepStats` (the replicas on this machine share its
-power source, so one meter splits the machine's energy across all their steps). An external backend sends no
+Our own replicas on this machine (local processes) send their steps to the gateway's `Meter` as `StepStats`
+(they share its power source, so one meter splits the machine's energy across all their steps); Ray replicas
+meter their own node and send each request's RequestEnergy (fleet/node_energy.py). An external backend sends no
 steps: unless a power source for its device is given, its energy is *modelled* and labelled so, from the
 catalog's figures for its device profile:
 
@@ -20,8 +21,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from tokenfactory.fleet.node_energy import NodeEnergy
 from tokenfactory.meter.attribution import Meter, RequestEnergy
 from tokenfactory.meter.prices import Prices
+from tokenfactory.types import StepStats
 
 
 @dataclass
@@ -82,16 +85,27 @@ class BackendEnergy:
 
 
 class FleetMeter:
-    """The gateway's meter over a fleet: backends' requests by their model, the rest by `meter`. Everything
-    else (totals, listeners, on_step, close) is the meter's."""
+    """The gateway's meter over a fleet: backends' requests by their model, Ray replicas' by their own node's
+    meter (`nodes`, fleet/node_energy.py), the rest by `meter` (this machine's power source). A step labelled
+    with an energy source was metered where it ran: it goes to the node books, never into this machine's split.
+    Everything else (totals, listeners, close) is the meter's."""
 
-    def __init__(self, meter: Meter, backends: Sequence[BackendEnergy]) -> None:
-        self.meter, self.backends = meter, list(backends)
+    def __init__(self, meter: Meter, backends: Sequence[BackendEnergy], nodes: NodeEnergy | None = None) -> None:
+        self.meter, self.backends, self.nodes = meter, list(backends), nodes
+
+    def on_step(self, step: StepStats) -> None:
+        if step.energy_source is not None:
+            if self.nodes is not None:
+                self.nodes.on_step(step)
+            return
+        self.meter.on_step(step)
 
     def finish_request(self, request_id: str, num_output_tokens: int | None = None) -> RequestEnergy:
         for backend in self.backends:
             if backend.owns(request_id):
                 return backend.finish_request(request_id, num_output_tokens)
+        if self.nodes is not None and self.nodes.owns(request_id):
+            return self.nodes.finish_request(request_id, num_output_tokens)
         return self.meter.finish_request(request_id, num_output_tokens)
 
     def __getattr__(self, name: str) -> object:

@@ -21,11 +21,13 @@ from tokenfactory.engine.client import EngineClient
 from tokenfactory.fleet.backend import HTTPBackend, redact_url, split_credentials
 from tokenfactory.fleet.energy import BackendEnergy
 from tokenfactory.fleet.fleet import Replica
+from tokenfactory.fleet.ray_replica import RayPlacement
 from tokenfactory.types import ParameterError
 
 if TYPE_CHECKING:
     from tokenfactory.config import EngineConfig
     from tokenfactory.engine.client import ModelInfo
+    from tokenfactory.fleet.node_energy import NodeEnergy, ReplicaMetering
     from tokenfactory.meter.prices import Prices
     from tokenfactory.models.tokenizer import Tokenizer
 
@@ -156,21 +158,33 @@ def catalog_power(device: str) -> DevicePower:
                        f"catalog {d.name}: {d.tdp_w.value:g} W TDP, {d.idle_w.value:g} W idle")
 
 
-def replica_starter(config: EngineConfig, threads: int, use_ray: bool, ray_address: str | None,
-                    hang_timeout_s: float) -> tuple[str, Callable[[str], EngineClient]]:
-    """(kind, start(replica_id)): a Ray actor with its threads as num_cpus (a GPU with --device cuda) on the
-    Ray at `ray_address` (a local one when None, started once), or a spawned local process."""
-    if use_ray:
-        import ray
+@dataclass(frozen=True)
+class RayOptions:
+    """Replicas as Ray actors: on which Ray (`address` None: a local one, loopback only: fleet/ray_cluster.py),
+    placed how, and metering their own nodes how (fleet/node_energy.py)."""
 
-        if not ray.is_initialized():
-            ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
-        from tokenfactory.fleet.ray_replica import start_ray_replica
+    address: str | None = None
+    placement: RayPlacement = field(default_factory=RayPlacement)
+    metering: ReplicaMetering | None = None  # None: their steps go to the gateway's meter
+
+
+def replica_starter(config: EngineConfig, threads: int, ray: RayOptions | None, hang_timeout_s: float,
+                    energy: NodeEnergy | None = None) -> tuple[str, Callable[[str], EngineClient]]:
+    """(kind, start(replica_id)): a Ray actor with its threads as num_cpus (a GPU with --device cuda) on the Ray
+    `ray` names (connected once per process), reporting its node's energy to `energy`; or a spawned local
+    process."""
+    if ray is not None:
+        from tokenfactory.fleet.ray_cluster import connect
+        from tokenfactory.fleet.ray_replica import Placer, start_ray_replica
+
+        connect(ray.address)
+        placer = Placer(ray.placement)
 
         def start_ray(name: str) -> EngineClient:
             return start_ray_replica(name, config, threads, num_cpus=threads,
                                      num_gpus=1.0 if config.device.startswith("cuda") else 0.0,
-                                     hang_timeout_s=hang_timeout_s)
+                                     hang_timeout_s=hang_timeout_s, placer=placer, metering=ray.metering,
+                                     energy=energy)
         return "ray", start_ray
     from tokenfactory.fleet.process import start_process_replica
 
@@ -186,13 +200,14 @@ def local_replica(name: str, kind: str, start: Callable[[str], EngineClient], cl
                    restart=_restarter(start, name))
 
 
-def start_local_replicas(config: EngineConfig, num_replicas: int, ray_address: str | None, use_ray: bool,
-                         threads: int | None, hang_timeout_s: float, power: DevicePower, prefix: str = "",
-                         num_sharing: int | None = None) -> list[Replica]:
-    """N replicas of `config`, started in parallel; each restarts the same way when it dies. `prefix` keeps
-    replica ids unique across models; `num_sharing`: local replicas sharing this machine's cores in all."""
+def start_local_replicas(config: EngineConfig, num_replicas: int, ray: RayOptions | None, threads: int | None,
+                         hang_timeout_s: float, power: DevicePower, prefix: str = "", num_sharing: int | None = None,
+                         energy: NodeEnergy | None = None) -> list[Replica]:
+    """N replicas of `config` (local processes, or Ray actors with `ray`), started in parallel; each restarts
+    the same way when it dies. `prefix` keeps replica ids unique across models; `num_sharing`: local replicas
+    sharing this machine's cores in all."""
     threads = threads or max(1, (os.cpu_count() or 1) // (num_sharing or num_replicas))
-    kind, start = replica_starter(config, threads, use_ray, ray_address, hang_timeout_s)
+    kind, start = replica_starter(config, threads, ray, hang_timeout_s, energy)
     names = [f"{prefix}{kind[0]}{i}" for i in range(num_replicas)]
     with concurrent.futures.ThreadPoolExecutor(num_replicas) as pool:
         clients = list(pool.map(start, names))

@@ -34,7 +34,7 @@ from tokenfactory.engine.client import (
     WorkerEvents,
     WorkerReady,
 )
-from tokenfactory.engine.output_stream import OutputStream, RequestFailed, read_outputs
+from tokenfactory.engine.output_stream import OutputStream, RequestAborted, RequestFailed, read_outputs
 from tokenfactory.types import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -161,14 +161,19 @@ class RemoteEngine(ClientBase):
             except WorkerLost as e:
                 self._fail_all(f"replica {self.name} is gone: {e}")
 
-        def close(finished: bool) -> None:
+        def abort() -> bool:
             with self._lock:
-                known = self.streams.pop(request.request_id, None) is not None
-            self._wholes.pop(request.request_id, None)
-            if known and not finished:
-                self.send(AbortRequest(request.request_id))
+                known = request.request_id in self.streams
+            if known:
+                self.send(AbortRequest(request.request_id))  # the worker answers in its batch's `aborted`
+            return known and self._dead_reason is None
 
-        return read_outputs(stream, start, close)
+        def close() -> None:
+            with self._lock:
+                self.streams.pop(request.request_id, None)
+            self._wholes.pop(request.request_id, None)
+
+        return read_outputs(stream, start, close, abort)
 
     # -- receiver thread ---------------------------------------------------------------------------------
 
@@ -208,10 +213,13 @@ class RemoteEngine(ClientBase):
             if out.finished:
                 del self._wholes[out.request_id]
             self._deliver(out.request_id, out)
+        for request_id in batch.aborted:  # after this batch's steps: the meter has all of the request's work
+            self._wholes.pop(request_id, None)
+            self._deliver(request_id, RequestAborted(request_id))
         if batch.dead_reason is not None:
             self._fail_all(f"replica {self.name}: {batch.dead_reason}")
 
-    def _deliver(self, request_id: str, item: RequestOutput | RequestFailed) -> None:
+    def _deliver(self, request_id: str, item: RequestOutput | RequestFailed | RequestAborted) -> None:
         with self._lock:
             target = self.streams.get(request_id)
         if target is None:

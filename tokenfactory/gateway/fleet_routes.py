@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from tokenfactory.engine.client import DrainReplica, EngineClient, ReplicaState
+from tokenfactory.fleet.node_energy import NodeBooks, NodeEnergy
 from tokenfactory.gateway.auth import principal_of
 from tokenfactory.gateway.dashboard import is_loopback
 from tokenfactory.gateway.errors import APIError
@@ -84,6 +85,15 @@ def replicas_down(models: Mapping[str, EngineClient]) -> dict[str, str]:
             if not s.up and s.kind != "engine"}
 
 
+def check_operator(tenancy: Tenancy, request: Request) -> None:
+    if tenancy.auth_on:
+        if not principal_of(request).is_admin:
+            raise APIError(403, "managing replicas needs an admin key", "permission_error")
+        return
+    if not is_loopback(request.client.host if request.client else ""):
+        raise APIError(403, "without --auth, replicas are managed from this machine only", "permission_error")
+
+
 def install_fleet_routes(app: FastAPI, models: Models, registry: CollectorRegistry, tenancy: Tenancy) -> None:
     """The routes over every served model's replicas; replica ids are unique across them (launch.py prefixes
     them)."""
@@ -97,17 +107,9 @@ def install_fleet_routes(app: FastAPI, models: Models, registry: CollectorRegist
         raise APIError(404, f"no replica {replica_id!r} that can be drained; see GET /fleet/replicas",
                        "not_found_error", "replica_id")
 
-    def check_operator(request: Request) -> None:
-        if tenancy.auth_on:
-            if not principal_of(request).is_admin:
-                raise APIError(403, "managing replicas needs an admin key", "permission_error")
-            return
-        if not is_loopback(request.client.host if request.client else ""):
-            raise APIError(403, "without --auth, replicas are managed from this machine only", "permission_error")
-
     @app.get("/fleet/replicas")
     async def list_replicas(request: Request) -> dict:
-        check_operator(request)
+        check_operator(tenancy, request)
         served = models()
         return {"object": "list", "models": {n: {"router": c.facts.router} for n, c in served.items()},
                 "data": [status_json(n, s) for n, s in states_of(served)]}
@@ -119,10 +121,46 @@ def install_fleet_routes(app: FastAPI, models: Models, registry: CollectorRegist
 
     @app.post("/fleet/replicas/{replica_id}/drain")
     async def drain(replica_id: str, request: Request) -> dict:
-        check_operator(request)
+        check_operator(tenancy, request)
         return set_draining(replica_id, True)
 
     @app.post("/fleet/replicas/{replica_id}/undrain")
     async def undrain(replica_id: str, request: Request) -> dict:
-        check_operator(request)
+        check_operator(tenancy, request)
         return set_draining(replica_id, False)
+
+
+class NodeCollector(Collector):
+    """Each Ray node's energy as its replicas' own meters measured it (fleet/node_energy.py)."""
+
+    def __init__(self, nodes: NodeEnergy) -> None:
+        self.nodes = nodes
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        books = self.nodes.nodes()
+        labels = ["node_id", "node", "energy_source"]
+
+        def family(name: str, doc: str, value: Callable[[NodeBooks], float | None]) -> CounterMetricFamily:
+            f = CounterMetricFamily(P + name, doc, labels=labels)
+            for b in books:
+                if (v := value(b)) is not None:
+                    f.add_metric([b.node_id[:12], b.node, "+".join(b.sources)], float(v))
+            return f
+
+        yield family("node_energy_joules", "Energy read from the node's own power source by its replicas' meters",
+                     lambda b: b.energy_joules)
+        yield family("node_billed_joules", "The node's energy settled into ledger rows", lambda b: b.billed_joules)
+        yield family("node_idle_joules", "The node's energy while its replicas were idle", lambda b: b.idle_joules)
+        yield family("node_requests_lost", "Requests whose energy was lost with the node (null in their rows)",
+                     lambda b: b.num_requests_lost)
+
+
+def install_node_routes(app: FastAPI, nodes: NodeEnergy, registry: CollectorRegistry, tenancy: Tenancy) -> None:
+    """GET /fleet/nodes: each Ray node's books (its energy by source, billed, idle, unattributed, lost), and the
+    node_* series in /metrics."""
+    registry.register(NodeCollector(nodes))
+
+    @app.get("/fleet/nodes")
+    async def list_nodes(request: Request) -> dict:
+        check_operator(tenancy, request)
+        return {"object": "list", "data": [dataclasses.asdict(b) for b in nodes.nodes()]}

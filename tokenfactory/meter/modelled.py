@@ -195,8 +195,13 @@ class ModelledSource:
 
 def open_modelled(config: PowerConfig, clock: Clock = time.monotonic,
                   cpu_time: Clock = time.process_time) -> PowerSource:
-    num_cpus = os.cpu_count() or 1
+    """With `cpu_share` (a replica's threads), the TDP of that many CPUs and the load over them: the share of
+    the machine this process was given, so replicas sharing a node count its power once between them."""
+    machine_cpus = os.cpu_count() or 1
+    num_cpus = min(config.cpu_share, machine_cpus) if config.cpu_share else machine_cpus
     if config.count_child_processes and cpu_time is time.process_time:
         cpu_time = TreeCpuTime()
     model = config.cpu_model if config.cpu_model is not None else cpu_model_name()
-    return ModelledSource(lookup_tdp(model, num_cpus, config.cpu_tdp_watts), num_cpus, clock, cpu_time)
+    configured = (config.cpu_tdp_watts * num_cpus / machine_cpus if config.cpu_tdp_watts is not None
+                  else None)  # the machine's TDP, our share of it
+    return ModelledSource(lookup_tdp(model, num_cpus, configured), num_cpus, clock, cpu_time)

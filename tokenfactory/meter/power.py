@@ -86,6 +86,7 @@ class PowerConfig:
     cpu_tdp_watts: float | None = None  # modelled: the machine's CPU TDP; None: from the table
     cpu_model: str | None = None  # modelled: CPU model string; None: read from /proc/cpuinfo
     count_child_processes: bool = False  # modelled: the load includes child processes (a fleet's replicas)
+    cpu_share: int | None = None  # modelled: this many of the machine's CPUs are ours (a replica's share); None: all
     constant_watts: float | None = None  # constant: required
     constant_scope: str = "machine"  # constant: what the declared watts cover
 
@@ -95,6 +96,8 @@ class PowerConfig:
         if self.nvml_poll_interval_s <= 0:
             raise ParameterError("nvml_poll_interval_s",
                                  f"nvml_poll_interval_s must be > 0, got {self.nvml_poll_interval_s}")
+        if self.cpu_share is not None and self.cpu_share < 1:
+            raise ParameterError("cpu_share", f"cpu_share must be >= 1, got {self.cpu_share}")
         if self.cpu_tdp_watts is not None and self.cpu_tdp_watts <= 0:
             raise ParameterError("cpu_tdp_watts", f"cpu_tdp_watts must be > 0, got {self.cpu_tdp_watts}")
         if self.constant_watts is not None and self.constant_watts < 0:

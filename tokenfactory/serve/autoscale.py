@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from tokenfactory.config import EngineConfig
     from tokenfactory.fleet.autoscaler import Controller, LatencyWindow
     from tokenfactory.fleet.fleet import Fleet, Replica
-    from tokenfactory.fleet.launch import DevicePower
+    from tokenfactory.fleet.launch import DevicePower, RayOptions
+    from tokenfactory.fleet.node_energy import NodeEnergy
     from tokenfactory.fleet.scaling_pool import ControllerThread, FleetPool
 
 P = "tokenfactory:"
@@ -83,8 +84,8 @@ def hold_s(args: argparse.Namespace) -> float:
     return 0.0
 
 
-def start_autoscaler(args: argparse.Namespace, fleet: Fleet, config: EngineConfig, power: DevicePower
-                     ) -> Autoscaling | None:
+def start_autoscaler(args: argparse.Namespace, fleet: Fleet, config: EngineConfig, power: DevicePower,
+                     ray: RayOptions | None = None, energy: NodeEnergy | None = None) -> Autoscaling | None:
     """The controller over `fleet`, ticking on its thread; None without --autoscaler."""
     if not getattr(args, "autoscaler", None):
         return None
@@ -99,7 +100,7 @@ def start_autoscaler(args: argparse.Namespace, fleet: Fleet, config: EngineConfi
     target = args.autoscale_target_seqs or config.max_num_seqs
     option = ReplicaOption("local", config.device, power.idle_watts, power.busy_watts, target, 0.0)
 
-    pool = FleetPool(fleet, replica_factory(args, config, threads, power), option.name,
+    pool = FleetPool(fleet, replica_factory(args, config, threads, power, ray, energy), option.name,
                      allow_zero=scaling.min_replicas == 0)
     controller = Controller(make_autoscaler(policy, scaling, [option]), pool, held=lambda: fleet.num_held)
     observe_steps(fleet, controller.latency)
@@ -108,14 +109,15 @@ def start_autoscaler(args: argparse.Namespace, fleet: Fleet, config: EngineConfi
     return Autoscaling(controller, pool, thread)
 
 
-def replica_factory(args: argparse.Namespace, config: EngineConfig, threads: int, power: DevicePower
-                    ) -> Callable[[str, str], Replica]:
+def replica_factory(args: argparse.Namespace, config: EngineConfig, threads: int, power: DevicePower,
+                    ray: RayOptions | None = None, energy: NodeEnergy | None = None) -> Callable[[str, str], Replica]:
     """How the controller starts a replica: the way the fleet's own are started (fleet/launch.py: a Ray actor
-    with --ray, else a local process), restarted the same way when it dies."""
+    with `ray`, reporting its node's energy to `energy`, else a local process), restarted the same way."""
     from tokenfactory.fleet.launch import local_replica, replica_starter
 
+    kind, start = replica_starter(config, threads, ray, args.replica_timeout, energy)
+
     def factory(replica_id: str, _option: str) -> Replica:
-        kind, start = replica_starter(config, threads, args.ray is not None, args.ray or None, args.replica_timeout)
         return local_replica(replica_id, kind, start, start(replica_id), config, power)
     return factory
 

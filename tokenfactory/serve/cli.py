@@ -114,6 +114,10 @@ def serve(args: argparse.Namespace) -> int:
     tenancy, auth_line = build_tenancy(args, client, accounting)
     app = wire_app(client, settings, accounting, tenancy, on_shutdown=shutdown, models=started.extra_models,
                    allowed_hosts=tuple(args.allowed_host), batch=batch_settings_from_args(args))
+    if started.nodes is not None:  # GET /fleet/nodes, the node_* series: each Ray node's own energy
+        from tokenfactory.gateway.fleet_routes import install_node_routes
+
+        install_node_routes(app, started.nodes, app.state.metrics.registry, tenancy)
     if started.autoscaling is not None:  # GET /fleet/autoscaler, its /metrics, the TTFT feed
         from tokenfactory.serve.autoscale import install_autoscaler_routes
 

@@ -75,9 +75,10 @@ def load_checked(args: argparse.Namespace):  # noqa: ANN201 - (EngineConfig, Loa
 
 
 def build_accounting(args: argparse.Namespace, model_config, device_type: str, name: str,  # noqa: ANN001, ANN201
-                     backend_energies: Sequence = ()):
-    """(Accounting, power line, prices line): this machine's meter (with `backend_energies`, a FleetMeter that
-    adds the external backends' modelled energy to it) and the ledger, made once, before anything runs."""
+                     backend_energies: Sequence = (), nodes=None):  # noqa: ANN001 - NodeEnergy | None
+    """(Accounting, power line, prices line): this machine's meter (with `backend_energies` or `nodes`, a
+    FleetMeter that adds the external backends' modelled energy and the Ray nodes' own to it) and the ledger,
+    made once, before anything runs."""
     from pathlib import Path
 
     from tokenfactory.fleet.energy import FleetMeter
@@ -97,8 +98,8 @@ def build_accounting(args: argparse.Namespace, model_config, device_type: str, n
                          device_name=accelerator_name(device_type), device_type=device_type)
     device = accelerator_name(device_type) or device_type  # the label in /metrics and the utilisation rollup
     meter = Meter(choice.source, model_config, prices, MeterConfig(device=device)).start()
-    if backend_energies:
-        meter = FleetMeter(meter, list(backend_energies))
+    if backend_energies or nodes is not None:
+        meter = FleetMeter(meter, list(backend_energies), nodes)
     ledger = Ledger.open(args.data_dir, url=args.database_url)
     return Accounting(meter, ledger, name), choice.source.describe(), prices.describe()
 
@@ -124,6 +125,7 @@ class Started:
     prices: str
     extra_models: dict = field(default_factory=dict)  # name -> Fleet: models served beside the default
     autoscaling: Any = None  # serve/autoscale.py's Autoscaling, with --autoscaler
+    nodes: Any = None  # fleet/node_energy.py's NodeEnergy: the Ray replicas' nodes' books, with --ray
 
 
 def launch_checked(args: argparse.Namespace) -> tuple[Any, Any, tuple[Any, str, str]]:

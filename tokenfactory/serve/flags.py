@@ -108,7 +108,19 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
                    help="engine replicas of the model: 1 runs it in this process; N > 1 starts N local processes "
                         "(or Ray actors with --ray), each with its share of the cores; 0 with --backend only")
     g.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
-                   help="place the replicas as Ray actors: on a local Ray (no ADDRESS) or an existing cluster")
+                   help="place the replicas as Ray actors: on a local Ray bound to 127.0.0.1 only (no ADDRESS), or "
+                        "on the cluster at ADDRESS, joined with its auth token from RAY_AUTH_TOKEN or a file "
+                        "(RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token), never a flag (docs/fleet.md)")
+    g.add_argument("--ray-placement", default="spread", choices=["spread", "pack"],
+                   help="Ray replicas across nodes: spread (Ray's SPREAD: different nodes while there are some) or "
+                        "pack (onto the node holding most of the model's replicas while it has room)")
+    g.add_argument("--ray-resource", action="append", default=[], metavar="NAME[=AMOUNT]",
+                   help="a custom Ray node resource each replica needs (repeatable; AMOUNT default 0.001): keeps "
+                        "the replicas on the nodes started with `ray start --resources '{\"NAME\": 1}'`")
+    g.add_argument("--replica-power-source", default="auto", choices=["auto", "nvml", "rapl", "modelled"],
+                   help="what each Ray replica meters on its own node: auto (NVML for its GPU, else the modelled "
+                        "source for its share of the node's CPUs), or rapl (the whole CPU package: one replica "
+                        "per node only)")
     g.add_argument("--backend", action="append", type=_backend_spec, default=[], metavar="URL[,model=..]",
                    help="an external OpenAI-compatible server as a replica (repeatable): "
                         "URL[,model=ITS_NAME][,served=OUR_NAME][,device=CATALOG_DEVICE][,key=API_KEY][,tokenizer=PATH]"
