@@ -4,10 +4,13 @@
   process tree, read from the system, is on 127.0.0.1, with nothing set up by this test's environment;
 - joining a cluster without its token fails with a message that says how to get one;
 - a multi-node Ray on loopback (ray.cluster_utils.Cluster in a child process, token auth on: a head with no CPUs
-  and three one-CPU worker nodes), two replicas spread onto different nodes, each metering its own node; the
-  official openai client streams through the gateway while one replica's node has its raylet killed: every
-  call ends, every request has exactly one ledger row, the replica comes back on another node, and each node's
-  books (read from the replicas' own sources) balance against the ledger.
+  and three two-CPU worker nodes, two with a custom resource), one for the module:
+  - `--ray-placement pack --ray-resource tf_pack`: both replicas on one node that has the resource, its books
+    the sum of their two meters, balanced against the ledger;
+  - `--ray-placement spread`: two replicas on different nodes, each metering its own node; the official openai
+    client streams through the gateway while one replica's node has its raylet killed: every call ends, every
+    request has exactly one ledger row, the replica comes back on another node, and each node's books (read
+    from the replicas' own sources) balance against the ledger.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -27,6 +31,7 @@ import pytest
 
 from tests.server_util import start_server
 from tokenfactory.fleet.ray_cluster import listening_sockets, process_tree
+from tokenfactory.layers.cpu_kernels import cache_root
 
 pytestmark = pytest.mark.slow
 
@@ -35,15 +40,16 @@ MODEL = "SmolLM2-135M-Instruct"
 
 def clean_env(home: Path) -> dict[str, str]:
     """This process's environment without any Ray setting (the suite's own Ray mode and token) and a HOME
-    without ~/.ray: what serve does, it must do itself."""
+    without ~/.ray: what serve does, it must do itself. The CPU kernels stay where they are built already
+    (a fresh HOME would build them again, minutes on a loaded machine)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     home.mkdir(exist_ok=True)
-    return env | {"HOME": str(home)}
+    return env | {"HOME": str(home), "TOKENFACTORY_KERNEL_CACHE": str(cache_root())}
 
 
 def test_a_local_ray_started_by_serve_listens_on_loopback_only(tmp_path) -> None:
     server = start_server(tmp_path, "--replicas", "1", "--ray", "--power-source", "modelled", "--machine-profile",
-                          "off", timeout=300, env=clean_env(tmp_path / "home"))
+                          "off", timeout=600, env=clean_env(tmp_path / "home"))
     try:
         assert "bound to 127.0.0.1 only" in server.log() and "token auth (token from this run)" in server.log()
         sockets = listening_sockets(process_tree(server.proc.pid))  # psutil: the system's own table
@@ -75,10 +81,11 @@ from ray.cluster_utils import Cluster
 
 store = 80 << 20
 cluster = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 0, "object_store_memory": store})
-workers = [cluster.add_node(num_cpus=1, object_store_memory=store) for _ in range(3)]
+workers = [cluster.add_node(num_cpus=2, object_store_memory=store, resources=resources)
+           for resources in ({}, {"tf_pack": 4}, {"tf_pack": 4})]
 cluster.wait_for_nodes()
 nodes = {n.node_id: n for n in workers}
-print(json.dumps({"address": cluster.address, "workers": list(nodes)}), flush=True)
+print(json.dumps({"address": cluster.address, "workers": list(nodes), "pack_nodes": list(nodes)[1:]}), flush=True)
 for line in sys.stdin:
     node = nodes.pop(line.strip())
     node.all_processes["raylet"][0].process.kill()  # the raylet SIGKILLed: its workers go with it
@@ -87,8 +94,12 @@ cluster.shutdown()
 """
 
 
-def start_cluster(tmp_path: Path) -> tuple[subprocess.Popen, dict]:
-    """Head + three worker nodes on loopback, token auth on, health checks fast enough for a test."""
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Popen, dict]]:
+    """Head (no CPUs) + three two-CPU worker nodes on loopback, two of them with a custom resource (tf_pack),
+    token auth on, health checks fast enough for a test; one cluster for this module's tests (a node lost in
+    one leaves the others two)."""
+    tmp_path = tmp_path_factory.mktemp("cluster")
     token = tmp_path / "auth_token"
     token.write_text(os.urandom(16).hex())
     token.chmod(0o600)
@@ -99,9 +110,17 @@ def start_cluster(tmp_path: Path) -> tuple[subprocess.Popen, dict]:
         "RAY_health_check_timeout_ms": "1000"}
     proc = subprocess.Popen([sys.executable, "-c", CLUSTER], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=open(tmp_path / "cluster.log", "w"), text=True)  # noqa: SIM115
-    line = proc.stdout.readline()
-    assert line, (tmp_path / "cluster.log").read_text()[-3000:]
-    return proc, json.loads(line) | {"env": env}
+    try:
+        line = proc.stdout.readline()
+        assert line, (tmp_path / "cluster.log").read_text()[-3000:]
+        yield proc, json.loads(line) | {"env": env | {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}}
+    finally:
+        proc.stdin.close()  # the helper shuts the cluster down
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def ledger(server) -> list[dict]:
@@ -126,15 +145,40 @@ def wait_for(what: str, check, timeout_s: float = 120.0):  # noqa: ANN001, ANN20
     return value
 
 
-def test_a_fleet_on_a_multi_node_ray_loses_a_node_under_load(tmp_path) -> None:
-    cluster, info = start_cluster(tmp_path)
+def test_pack_puts_a_fleet_on_one_node_with_its_resource_metering_it_once(tmp_path, cluster) -> None:
+    _, info = cluster
+    server = start_server(tmp_path, "--replicas", "2", "--ray", info["address"], "--ray-placement", "pack",
+                          "--ray-resource", "tf_pack", "--threads", "1", "--power-source", "modelled",
+                          "--machine-profile", "off", timeout=600, env=info["env"])
+    try:
+        assert "replicas placed pack on nodes with tf_pack" in server.log()
+        placed = replicas(server)
+        [node_id] = {r["node_id"] for r in placed.values()}  # both replicas on one node
+        assert node_id in info["pack_nodes"], (node_id, info)  # one with the resource asked for
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        for i in range(4):  # an idle fleet's ties go round the replicas: both meter something
+            assert client.completions.create(model=MODEL, prompt=f"Hi {i}", max_tokens=6).usage.completion_tokens
+        rows = wait_for("four ledger rows", lambda: len(r := ledger(server)) == 4 and r)
+        assert {r["replica"] for r in rows} == {"r0", "r1"}, rows
+        books = wait_for("the node's books to balance", lambda: (b := nodes(server)).get(node_id) and abs(
+            b[node_id]["billed_joules"] + b[node_id]["unbilled_joules"] - b[node_id]["attributed_joules"]) < 1e-6
+            and b, 30)
+        assert list(books) == [node_id]  # one node: its two replicas' meters in one set of books
+        b = books[node_id]
+        assert sorted(b["replicas"]) == ["r0", "r1"] and b["sources"] == ["modelled"]
+        assert b["num_requests_billed"] == 4 and b["billed_joules"] == pytest.approx(
+            sum(r["energy_joules"] for r in rows), rel=1e-6)
+    finally:
+        server.stop()
+
+
+def test_a_fleet_on_a_multi_node_ray_loses_a_node_under_load(tmp_path, cluster) -> None:
+    cluster, info = cluster
     server = None
     try:
-        env = info["env"] | {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}
         server = start_server(tmp_path, "--replicas", "2", "--ray", info["address"], "--ray-placement", "spread",
-                              "--replica-timeout", "5", "--power-source", "modelled", "--max-num-seqs", "8",
-                              "--machine-profile", "off",
-                              timeout=300, env=env)
+                              "--threads", "1", "--replica-timeout", "5", "--power-source", "modelled",
+                              "--max-num-seqs", "8", "--machine-profile", "off", timeout=600, env=info["env"])
         assert f"cluster at {info['address']}; token auth" in server.log()
         placed = replicas(server)
         assert {r["kind"] for r in placed.values()} == {"ray"}
@@ -193,9 +237,3 @@ def test_a_fleet_on_a_multi_node_ray_loses_a_node_under_load(tmp_path) -> None:
     finally:
         if server is not None:
             server.stop()
-        cluster.stdin.close()  # the helper shuts the cluster down
-        try:
-            cluster.wait(60)
-        except subprocess.TimeoutExpired:
-            cluster.kill()
-            cluster.wait()

@@ -12,8 +12,9 @@ engine is silent, not heartbeating). On this side, `RayTransport` keeps one poll
 energy to the gateway's books before the batch's outputs, and turns a dead actor (or node) into `WorkerLost`.
 
 Placement (`RayPlacement`): `spread` asks Ray for its SPREAD strategy (replicas on different nodes while there
-are nodes); `pack` puts a replica on the node that already holds most of this fleet's replicas while it has room
-(a soft node affinity: Ray places it elsewhere when that node is full or gone); `resources` are custom node
+are nodes); `pack` puts a replica on the node that already holds most of this fleet's replicas, or before any
+has landed on the biggest node that fits one (`pack_node`), while it has room (a soft node affinity: Ray places
+it elsewhere when that node is full or gone); `resources` are custom node
 resources every replica needs (`ray start --resources '{"big_box": 1}'` labels a node), so a fleet can be kept
 to the nodes an operator chose.
 """
@@ -26,7 +27,7 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -221,34 +222,51 @@ class RayTransport:
 
 
 class Placer:
-    """Ray options for each replica of one fleet: the placement's strategy, and for `pack` the node that holds
-    most of the replicas it placed (those still alive)."""
+    """Ray options for each replica of one fleet. `pack` chooses its node when asked, not when a replica is up:
+    a fleet's replicas start in parallel, so the second asks before the first has landed. Its node is the one
+    holding most of the fleet's live replicas, else the one it chose before while that is alive, else the alive
+    node with the most CPUs that has every resource a replica asks for (ties: the lowest node id)."""
 
     def __init__(self, placement: RayPlacement) -> None:
         self.placement = placement
         self.replica_to_node: dict[str, str] = {}
+        self._target: str | None = None
         self._lock = threading.Lock()
 
-    def options(self, replica_id: str) -> dict[str, Any]:
+    def options(self, replica_id: str, num_cpus: float = 1.0, num_gpus: float = 0.0) -> dict[str, Any]:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         opts: dict[str, Any] = {"resources": dict(self.placement.resources)} if self.placement.resources else {}
         if self.placement.strategy == "spread":
             return opts | {"scheduling_strategy": "SPREAD"}
-        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        node_to_resources = {n["NodeID"]: n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")}
+        needs = {"CPU": num_cpus, "GPU": num_gpus, **self.placement.resources}
         with self._lock:
             self.replica_to_node.pop(replica_id, None)  # a restart: where it was does not count
-            counts = collections.Counter(n for n in self.replica_to_node.values() if n in alive)
-        if counts:
-            node = counts.most_common(1)[0][0]
-            return opts | {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=True)}
-        return opts
+            node = pack_node(self.replica_to_node.values(), self._target, node_to_resources, needs)
+            self._target = node
+        if node is None:
+            return opts  # no node fits now: Ray queues it until one does
+        return opts | {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=True)}
 
     def placed(self, replica_id: str, node_id: str | None) -> None:
         if node_id is not None:
             with self._lock:
                 self.replica_to_node[replica_id] = node_id
+
+
+def pack_node(placed: Iterable[str], target: str | None, node_to_resources: Mapping[str, Mapping[str, float]],
+              needs: Mapping[str, float]) -> str | None:
+    """The node `pack` sends the next replica to (see Placer), as data: the placed replicas' nodes, the node
+    chosen before, each alive node's total resources, and what a replica needs."""
+    counts = collections.Counter(n for n in placed if n in node_to_resources)
+    if counts:
+        return min(counts, key=lambda n: (-counts[n], n))
+    if target in node_to_resources:
+        return target
+    fits = [n for n, have in node_to_resources.items() if all(have.get(k, 0.0) >= v for k, v in needs.items() if v)]
+    return min(fits, key=lambda n: (-node_to_resources[n].get("CPU", 0.0), n)) if fits else None
 
 
 def start_ray_replica(name: str, config: EngineConfig, threads: int | None = None, num_cpus: float = 1.0,
@@ -259,7 +277,7 @@ def start_ray_replica(name: str, config: EngineConfig, threads: int | None = Non
     With `metering` the replica meters its node and reports to `energy` (the gateway's books)."""
     import ray
 
-    options = placer.options(name) if placer is not None else {}
+    options = placer.options(name, num_cpus, num_gpus) if placer is not None else {}
     actor = actor_class().options(num_cpus=num_cpus, num_gpus=num_gpus, name=None, **options).remote(
         config, threads, metering, num_cpus, num_gpus > 0)
     transport = RayTransport(actor)
@@ -281,5 +299,5 @@ def start_ray_replica(name: str, config: EngineConfig, threads: int | None = Non
     return RemoteEngine(name, transport, dataclasses.replace(first, facts=facts), hang_timeout_s, kind="ray")
 
 
-__all__ = ["EngineActorImpl", "Placer", "RayPlacement", "RayTransport", "Shutdown", "actor_class",
+__all__ = ["EngineActorImpl", "Placer", "RayPlacement", "RayTransport", "Shutdown", "actor_class", "pack_node",
            "start_ray_replica"]
