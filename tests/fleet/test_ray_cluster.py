@@ -148,7 +148,8 @@ def wait_for(what: str, check, timeout_s: float = 120.0):  # noqa: ANN001, ANN20
 def test_pack_puts_a_fleet_on_one_node_with_its_resource_metering_it_once(tmp_path, cluster) -> None:
     _, info = cluster
     server = start_server(tmp_path, "--replicas", "2", "--ray", info["address"], "--ray-placement", "pack",
-                          "--ray-resource", "tf_pack", "--threads", "1", "--power-source", "modelled",
+                          "--ray-resource", "tf_pack", "--threads", "1", "--replica-power-source", "modelled",
+                          "--power-source", "constant", "--power-watts", "5",  # this machine's: none of the rows'
                           "--machine-profile", "off", timeout=600, env=info["env"])
     try:
         assert "replicas placed pack on nodes with tf_pack" in server.log()
@@ -160,6 +161,7 @@ def test_pack_puts_a_fleet_on_one_node_with_its_resource_metering_it_once(tmp_pa
             assert client.completions.create(model=MODEL, prompt=f"Hi {i}", max_tokens=6).usage.completion_tokens
         rows = wait_for("four ledger rows", lambda: len(r := ledger(server)) == 4 and r)
         assert {r["replica"] for r in rows} == {"r0", "r1"}, rows
+        assert all(r["energy_source"] == "modelled" and r["energy_joules"] > 0 for r in rows)  # the node's meters
         books = wait_for("the node's books to balance", lambda: (b := nodes(server)).get(node_id) and abs(
             b[node_id]["billed_joules"] + b[node_id]["unbilled_joules"] - b[node_id]["attributed_joules"]) < 1e-6
             and b, 30)
