@@ -29,6 +29,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("request service", ("tokenfactory.service",)),
     ("gateway", ("tokenfactory.gateway",)),
     ("batch", ("tokenfactory.batch",)),
+    ("responses", ("tokenfactory.responses",)),
     ("serve", ("tokenfactory.serve",)),
     ("cli", ("tokenfactory.cli",)),
 )
@@ -203,7 +204,7 @@ def test_the_http_check_sees_lazy_http_imports() -> None:
 
 # Where a name holds an engine client by convention: `client`, `<x>.client` (a fleet's Replica, Started), and in
 # the gateway and the request service `engine`, `served.engine`, `self.engine` (Handler, ServerMetrics, the feed).
-CLIENT_USERS = ("fleet", "service", "gateway", "batch", "serve")
+CLIENT_USERS = ("fleet", "service", "gateway", "batch", "responses", "serve")
 ENGINE_IS_CLIENT = ("service", "gateway", "serve")  # batch/store.py's self.engine is SQLAlchemy's
 NOT_CLIENTS = ("request", "ledger", "store")  # Starlette's request.client; SQLAlchemy's ledger.engine
 

@@ -16,6 +16,7 @@ from tokenfactory.serve.flags import (
     limit_settings_from_args,
     parse_memory,
     read_baseline,
+    responses_settings_from_args,
     scheduling_policy,
 )
 from tokenfactory.serve.fleet import start_fleet
@@ -70,6 +71,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--batch-cancel-grace", type=float, default=60.0,
                    help="seconds a cancelled (or stopped) batch's lines in flight get to finish before they are cut "
                         "off and reported with what they billed")
+    p.add_argument("--responses-retention-days", type=float, default=30.0,
+                   help="how long a stored Responses API response (store: true, the default) can be retrieved and "
+                        "continued with previous_response_id, kept per tenant in the ledger's database (OpenAI's: 30)")
     add_fleet_args(p)
     from tokenfactory.serve.scenario import add_profile_args  # serve --profile (planner/scenarios.py)
 
@@ -113,7 +117,8 @@ def serve(args: argparse.Namespace) -> int:
                               stream_send_timeout_s=args.stream_send_timeout, baseline=baseline)
     tenancy, auth_line = build_tenancy(args, client, accounting)
     app = wire_app(client, settings, accounting, tenancy, on_shutdown=shutdown, models=started.extra_models,
-                   allowed_hosts=tuple(args.allowed_host), batch=batch_settings_from_args(args))
+                   allowed_hosts=tuple(args.allowed_host), batch=batch_settings_from_args(args),
+                   responses=responses_settings_from_args(args))
     if started.nodes is not None:  # GET /fleet/nodes, the node_* series: each Ray node's own energy
         from tokenfactory.gateway.fleet_routes import install_node_routes
 

@@ -194,6 +194,13 @@ def batch_settings_from_args(args: argparse.Namespace):  # noqa: ANN201 - BatchS
                          cancel_grace_s=args.batch_cancel_grace, prices_path=args.prices)
 
 
+def responses_settings_from_args(args: argparse.Namespace):  # noqa: ANN201 - ResponsesSettings (imports the gateway)
+    from tokenfactory.responses.routes import ResponsesSettings
+
+    return ResponsesSettings(retention_s=max(1, round(args.responses_retention_days * 86_400)),
+                             send_timeout_s=args.stream_send_timeout)
+
+
 def limit_settings_from_args(args: argparse.Namespace):  # noqa: ANN201 - LimitSettings (imports uvicorn)
     from tokenfactory.gateway.limits import LimitSettings
 

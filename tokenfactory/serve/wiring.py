@@ -43,14 +43,17 @@ def build_tenancy(args: argparse.Namespace, client, accounting):  # noqa: ANN001
 
 
 def wire_app(client, settings, accounting, tenancy, *, on_shutdown=None, models=None,  # noqa: ANN001, ANN201
-             allowed_hosts: tuple[str, ...] = (), batch=None):  # noqa: ANN001
+             allowed_hosts: tuple[str, ...] = (), batch=None, responses=None):  # noqa: ANN001
     """The app `serve` runs (FastAPI; imported here, not at registration): `build_app` over the engine client
-    (and `models`' clients), with the Batch API's routes and runner installed (`batch`: its BatchSettings)."""
+    (and `models`' clients), with the Batch API's routes and runner installed (`batch`: its BatchSettings) and
+    the Responses API's (`responses`: its ResponsesSettings)."""
     from tokenfactory.batch.routes import install_batch_routes
     from tokenfactory.batch.runner import BatchSettings
     from tokenfactory.gateway.app import build_app
+    from tokenfactory.responses.routes import install_responses_routes
 
     app = build_app(client, settings, accounting, on_shutdown=on_shutdown, tenancy=tenancy, models=models,
                     allowed_hosts=allowed_hosts)
     install_batch_routes(app, app.state.service, batch or BatchSettings())  # /v1/files, /v1/batches
+    install_responses_routes(app, app.state.service, responses)  # /v1/responses
     return app
