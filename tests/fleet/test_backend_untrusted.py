@@ -64,8 +64,12 @@ async def completions(request: Request) -> Response:
             yield chunk({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": usage}})
             yield b"data: [DONE]\n\n"
 
-    if mode == "big-error":
-        return PlainTextResponse("E" * (8 << 20), status_code=500)
+    if mode == "big-error":  # an error body that never ends: read whole, it would never be cut
+        async def endless_error():  # noqa: ANN202 - the body's bytes
+            while True:
+                yield b"E" * (64 << 10)
+                await asyncio.sleep(0)
+        return StreamingResponse(endless_error(), status_code=500, media_type="text/plain")
     return StreamingResponse(body(), media_type="text/event-stream")
 
 
@@ -101,7 +105,7 @@ def run(b: HTTPBackend, max_tokens: int = 8) -> list:
 
     async def go() -> list:
         return [out async for out in b.generate(request)]
-    return asyncio.run(go())
+    return asyncio.run(asyncio.wait_for(go(), 30))  # a backend read without bounds would hang here
 
 
 @pytest.mark.parametrize(("mode", "options", "message"), [
