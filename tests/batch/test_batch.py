@@ -172,7 +172,7 @@ def test_bad_requests_name_the_parameter(gw: Gateway) -> None:
     c = client(gw)
     f = c.files.create(file=("in.jsonl", io.BytesIO(b'{"custom_id": "a"}\n')), purpose="batch")
     with pytest.raises(openai.BadRequestError) as e:
-        c.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
+        c.batches.create(input_file_id=f.id, endpoint="/v1/moderations", completion_window="24h")
     assert e.value.body["param"] == "endpoint"
     with pytest.raises(openai.BadRequestError) as e:
         c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="1h")  # type: ignore[arg-type]

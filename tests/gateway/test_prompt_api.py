@@ -1,9 +1,14 @@
 """The prompt-reading calls through the official `openai` client over real HTTP, on a tiny random-weight float32
 model against transformers on the same weights: `echo` + `logprobs` with `max_tokens: 0` (how lm-eval scores
 loglikelihood), vLLM's `prompt_logprobs`, `logit_bias` on chat and completions, `/v1/embeddings` (float and
-base64, `dimensions`, token arrays) with one ledger row each, and vLLM's `/tokenize` and `/detokenize`."""
+base64, `dimensions`, token arrays) with one ledger row each, also as Batch API lines, and vLLM's `/tokenize`
+and `/detokenize`."""
 
 from __future__ import annotations
+
+import io
+import json
+import time
 
 import httpx
 import pytest
@@ -185,3 +190,25 @@ def test_tokenize_and_detokenize(tiny, gateway) -> None:
     assert back.json() == {"prompt": TEXT}
     assert httpx.post(gateway.url + "/detokenize", json={"tokens": [49152]}).json()["error"]["param"] == "prompt"
     assert httpx.post(gateway.url + "/tokenize", json={}).json()["error"]["param"] == "prompt"
+
+
+def test_embeddings_as_batch_lines(tiny, gateway, client) -> None:
+    loaded, hf = tiny
+    texts = [TEXT, "A second line."]
+    lines = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
+              "body": {"model": MODEL, "input": text, "dimensions": 32}} for i, text in enumerate(texts)]
+    f = client.files.create(file=("in.jsonl", io.BytesIO("\n".join(map(json.dumps, lines)).encode())),
+                            purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
+    deadline = time.monotonic() + 120
+    while (batch := client.batches.retrieve(batch.id)).status not in ("completed", "failed", "cancelled"):
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.2)
+    assert batch.status == "completed" and batch.request_counts.completed == 2, batch
+    out = {o["custom_id"]: o for o in map(json.loads, client.files.content(batch.output_file_id).text.splitlines())}
+    for i, text in enumerate(texts):
+        body = out[f"e{i}"]["response"]["body"]
+        torch.testing.assert_close(torch.tensor(body["data"][0]["embedding"]),
+                                   hf_embedding(hf, loaded.tokenizer.encode(text), 32), atol=1e-5, rtol=1e-5)
+        assert body["usage"]["prompt_tokens"] == len(loaded.tokenizer.encode(text))
+    assert batch.model_extra["tokenfactory"]["energy_joules"] > 0

@@ -58,11 +58,11 @@ from tokenfactory.batch.store import (
     line_request_id,
     new_id,
 )
-from tokenfactory.gateway.render import result_body
+from tokenfactory.gateway.render import embedding_body, result_body
 from tokenfactory.meter.prices import load_price_table
 from tokenfactory.service.call import Call, Principal
 from tokenfactory.service.errors import APIError, Cancelled, error_body
-from tokenfactory.service.protocol import ChatCompletionRequest, CompletionRequest
+from tokenfactory.service.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from tokenfactory.service.results import CompletionResult, Usage
 from tokenfactory.service.service import RequestService
 from tokenfactory.types import BANDS, ParameterError
@@ -72,7 +72,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ENDPOINT_TO_KIND = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+ENDPOINT_TO_KIND = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/embeddings": "embeddings"}
 WINDOW_TO_SECONDS = {"24h": 86_400}
 RETRY_STATUSES = (429, 503)  # a limit or a full queue: the line waits its turn, without a slot
 DEFAULT_BATCH_PRICE_MULTIPLIER = 0.5  # when the prices file has no [batch] table (OpenAI's Batch API: half)
@@ -158,6 +158,10 @@ async def call_route(service: RequestService, kind: str, body: dict, principal: 
     try:
         if body.get("stream"):
             raise ParameterError("stream", "a batch line cannot stream: remove stream (the output file has the answer)")
+        if kind == "embeddings":
+            request = EmbeddingRequest.model_validate(body)
+            vectors = await service.embeddings(call, request)
+            return LineAnswer(200, embedding_body(vectors, request.encoding_format), vectors.usage)
         if kind == "chat":
             result = await service.chat(call, ChatCompletionRequest.model_validate(body))
         else:
