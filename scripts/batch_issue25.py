@@ -178,12 +178,11 @@ def job_report(c: openai.OpenAI, data_dir: Path, batch_id: str) -> dict:
             "ledger_completion_tokens": sum(r["completion_tokens"] for r in rows)}
 
 
-def case_restart(work: Path) -> dict:
-    """1: 4 lines x 256 tokens, all in flight, SIGTERM 4 s into the job (each checkout's stop grace is 10 s, so
-    they are cut off), restart, wait for the end."""
-    data_dir = work / "c1"
+def case_restart(work: Path, num_lines: int, max_tokens: int) -> dict:
+    """1: `num_lines` x `max_tokens`, SIGTERM 4 s into the job (each checkout's stop grace is 10 s, so lines
+    longer than that are cut off), restart, wait for the end."""
+    data_dir = work / f"c1-{num_lines}x{max_tokens}"
     key = make_tenants(data_dir, {"acme": {}})["acme"]
-    num_lines, max_tokens = 4, 256
     first = Server(data_dir, work)
     c = client(first, key)
     batch_id = submit(c, [line(f"r{i}", max_tokens, chat=True) for i in range(num_lines)], chat=True)
@@ -488,6 +487,7 @@ def main() -> None:
     p.add_argument("--label", required=True, help="before or after")
     p.add_argument("--out", required=True)
     p.add_argument("--cases", default="1,2,3,5,7,probes")
+    p.add_argument("--restart-shape", default="4x256", help="case 1's job: LINESxMAX_TOKENS")
     args = p.parse_args()
     cases = {int(x) if x.isdigit() else x for x in args.cases.split(",")}
     result: dict[str, Any] = {"label": args.label, "checkout": checkout(), "machine_at_start": machine(),
@@ -495,9 +495,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="issue25-") as tmp:
         work = Path(tmp)
         if 1 in cases:
-            print("case 1: restart billing", flush=True)
-            result["cases"]["1_restart_billing"] = case_restart(work)
-            print(json.dumps(result["cases"]["1_restart_billing"]), flush=True)
+            num_lines, max_tokens = (int(x) for x in args.restart_shape.split("x"))
+            name = "1_restart_billing" + ("" if args.restart_shape == "4x256" else f"_{args.restart_shape}")
+            print(f"case 1: restart billing, {args.restart_shape}", flush=True)
+            result["cases"][name] = case_restart(work, num_lines, max_tokens)
+            print(json.dumps(result["cases"][name]), flush=True)
         if cases & {2, 3, 5, 7, "probes"}:
             data_dir = work / "shared"
             keys = make_tenants(data_dir, {"hostile": {}, "slow": {"rpm": 1}, "quick": {}, "canceller": {},
