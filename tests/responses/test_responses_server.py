@@ -2,7 +2,8 @@
 client and the OpenAI Agents SDK with its default (Responses) model: create, retrieve, continue with
 previous_response_id, input_items, delete; refused across tenants; the streamed event sequence (text and
 function calls); tools and text.format json_schema; background responses and cancel; usage with joules and
-cost and the ledger row under the response's id. Slow: the real model, a real server process."""
+cost and the ledger row under the response's id; a stream dropped early aborted and freed. Slow: the real
+model, a real server process."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import asyncio
 import json
 import time
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -114,6 +116,31 @@ def test_streamed_event_sequence_for_text_and_a_function_call(alice) -> None:
     assert args.name == "get_weather" and isinstance(json.loads(args.arguments)["city"], str)
     [item] = [e.item for e in calls if e.type == "response.output_item.done"]
     assert item.type == "function_call" and item.call_id and calls[-1].response.output[0].call_id == item.call_id
+
+
+def test_a_stream_dropped_early_is_aborted_and_frees_everything(server) -> None:
+    url, key = server[0].url, server[1]["alice"]
+    body = {"model": MODEL, "input": "Count from 1 to 1000, separated by commas.", "max_output_tokens": 1500,
+            "temperature": 0, "stream": True}
+    with httpx.stream("POST", url + "/v1/responses", json=body, headers={"Authorization": f"Bearer {key}"},
+                      timeout=600) as r:
+        lines = r.iter_lines()
+        created = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
+        assert created["type"] == "response.created"
+        for line in lines:  # until the first text delta, then hang up
+            if line.startswith("data: ") and json.loads(line[6:])["type"] == "response.output_text.delta":
+                break
+    rid = created["response"]["id"]
+    deadline = time.monotonic() + 60
+    while not (rows := server[0].ledger_rows(rid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    [row] = rows
+    assert row["status"] == "aborted" and row["completion_tokens"] < 1500
+    while server[0].metric("tokenfactory:num_requests_running") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert server[0].metric("tokenfactory:num_requests_running") == 0
+    with pytest.raises(openai.NotFoundError):  # never finished: not stored
+        client_of(server, key).responses.retrieve(rid)
 
 
 def test_function_tool_round_trip_and_json_schema(alice) -> None:
