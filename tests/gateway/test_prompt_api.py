@@ -188,7 +188,7 @@ def test_tokenize_and_detokenize(tiny, gateway) -> None:
     assert chat["tokens"] == want and chat["token_strs"] is None
     back = httpx.post(gateway.url + "/detokenize", json={"model": MODEL, "tokens": tok.encode(TEXT)})
     assert back.json() == {"prompt": TEXT}
-    assert httpx.post(gateway.url + "/detokenize", json={"tokens": [49152]}).json()["error"]["param"] == "prompt"
+    assert httpx.post(gateway.url + "/detokenize", json={"tokens": [49152]}).json()["error"]["param"] == "tokens"
     assert httpx.post(gateway.url + "/tokenize", json={}).json()["error"]["param"] == "prompt"
 
 

@@ -39,6 +39,10 @@ def test_items_become_chat_messages() -> None:
             {"id": "c3", "type": "function", "function": {"name": "w", "arguments": "{}"}}]},
     ]
     assert input_items("Hi") == [{"type": "message", "role": "user", "content": "Hi"}]
+    assert input_items(ResponsesRequest(input="x" * 5000).input)[0]["content"] == "x" * 5000  # a long text is one item
+    with pytest.raises(ParameterError) as e:
+        input_items([{"role": "user", "content": "x"}] * 4097)
+    assert e.value.param == "input"
     for bad, param in (([{"type": "input_image"}], "input[0].type"), ([{"role": "robot", "content": "x"}],
                        "input[0].role"), ([{"role": "user", "content": [{"type": "input_file"}]}],
                                           "input[0].content[0]"),

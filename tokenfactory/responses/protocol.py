@@ -30,7 +30,7 @@ class ResponsesRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    input: str | list[dict[str, Any]] = Field(max_length=MAX_MESSAGES)
+    input: str | list[dict[str, Any]]  # a list: at most MAX_MESSAGES items (input_items); a string: any length
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     temperature: float | None = None
@@ -118,6 +118,8 @@ def input_items(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [{"type": "message", "role": "user", "content": value}]
     if not value:
         raise ParameterError("input", "input must not be empty")
+    if len(value) > MAX_MESSAGES:
+        raise ParameterError("input", f"input holds at most {MAX_MESSAGES} items, got {len(value)}")
     return value
 
 

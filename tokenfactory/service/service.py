@@ -261,7 +261,9 @@ class RequestService:
 
     async def detokenize(self, body: DetokenizeRequest) -> str:
         served = self.model(body.model)
-        served.engine.info.check_token_ids(body.tokens)
+        vocab = served.engine.info.vocab_size
+        if any(t >= vocab for t in body.tokens):
+            raise ParameterError("tokens", f"token ids must be integers in [0, {vocab})")
         return await asyncio.to_thread(served.engine.tokenizer.decode, body.tokens, skip_special_tokens=False)
 
     async def usage(self, call: Call, since: str | None, group_by: str | None,
