@@ -90,9 +90,13 @@ def test_create_retrieve_continue_and_refused_across_tenants(server, alice, bob)
     unstored = alice.responses.create(model=MODEL, input="Hi", max_output_tokens=2, store=False)
     with pytest.raises(openai.NotFoundError):
         alice.responses.retrieve(unstored.id)
-    with pytest.raises(openai.BadRequestError) as bad:
-        alice.responses.create(model=MODEL, input=[{"type": "image", "url": "x"}])
-    assert bad.value.body["param"] == "input[0].type"
+    for kw, param in (({"input": [{"type": "image", "url": "x"}]}, "input[0].type"),
+                      ({"input": "Hi", "temperature": -1}, "temperature"),
+                      ({"input": "Hi", "max_output_tokens": 5000}, "max_output_tokens"),  # past the context
+                      ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools[0]")):
+        with pytest.raises(openai.BadRequestError) as bad:
+            alice.responses.create(model=MODEL, **kw)
+        assert bad.value.body["param"] == param, bad.value.body
 
 
 def test_streamed_event_sequence_for_text_and_a_function_call(alice) -> None:

@@ -8,7 +8,7 @@ import pytest
 import sqlalchemy as sa
 
 from tokenfactory.models.tools import ToolCall
-from tokenfactory.responses.protocol import ResponsesRequest, input_items, item_messages
+from tokenfactory.responses.protocol import ResponsesRequest, input_items, item_messages, responses_param
 from tokenfactory.responses.render import EventWriter, ResponseState
 from tokenfactory.responses.store import ResponseStore
 from tokenfactory.types import ParameterError
@@ -70,6 +70,11 @@ def test_the_chat_request_a_body_becomes() -> None:
     with pytest.raises(ParameterError) as e:
         ResponsesRequest(input="x", background=True, store=False).check_supported()
     assert e.value.param == "background"
+    for field, value in (("temperature", -1.0), ("top_p", 2.0)):  # chat's ranges, named as sent here
+        with pytest.raises(ParameterError) as e:
+            ResponsesRequest(input="x", **{field: value}).chat_request([{"role": "user", "content": "x"}])
+        assert e.value.param == field
+    assert responses_param("messages[3].tool_calls") == "input" and responses_param("max_tokens") == "max_output_tokens"
 
 
 def test_streamed_events_in_openais_order() -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from tokenfactory.service.protocol import MAX_MESSAGES, MAX_TOKENS, ChatCompletionRequest
@@ -78,7 +79,21 @@ class ResponsesRequest(BaseModel):
             body["tool_choice"] = chat_tool_choice(self.tool_choice)
         if self.text is not None:
             body["response_format"] = response_format(self.text)
-        return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+        try:
+            return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+        except pydantic.ValidationError as e:  # a range chat checks (temperature, top_p): named as sent here
+            error = e.errors()[0]
+            param = responses_param(".".join(str(part) for part in error["loc"]) or "input")
+            raise ParameterError(param, f"invalid value for {param}: {error['msg']}") from e
+
+
+CHAT_TO_RESPONSES_FIELD = {"messages": "input", "max_completion_tokens": "max_output_tokens",
+                           "max_tokens": "max_output_tokens", "response_format": "text.format"}
+
+
+def responses_param(param: str) -> str:
+    """A chat request's field, as the Responses request calls it (`messages[2]` -> `input`)."""
+    return CHAT_TO_RESPONSES_FIELD.get(param.split(".")[0].split("[")[0], param)
 
 
 def chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:

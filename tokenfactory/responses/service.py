@@ -20,11 +20,12 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from tokenfactory.responses.protocol import ResponsesRequest, input_items, item_messages
+from tokenfactory.responses.protocol import ResponsesRequest, input_items, item_messages, responses_param
 from tokenfactory.responses.render import EventWriter, ResponseState, call_item, message_item, new_id, response_usage
 from tokenfactory.responses.store import ResponseStore
 from tokenfactory.service.call import Call, Principal
 from tokenfactory.service.errors import APIError, Cancelled
+from tokenfactory.service.protocol import ChatCompletionRequest
 from tokenfactory.service.results import ChoiceDelta, CompletionResult, CompletionStream, StreamEnd, StreamFailed
 from tokenfactory.service.service import RequestService
 from tokenfactory.types import FinishReason, ParameterError
@@ -111,7 +112,7 @@ class ResponsesAPI:
             task.add_done_callback(lambda _: self._forget(state.response_id))
             return state.body()
         inner = Call(call.principal, state.response_id, call.priority, call.cancelled)
-        result = await self.service.chat(inner, chat)
+        result = await run_chat(self.service, inner, chat)
         if isinstance(result, CompletionStream):
             return ResponseEvents(self._events(call.principal, result, state, items, conversation), result)
         finish(state, result)
@@ -140,7 +141,7 @@ class ResponsesAPI:
         state.status = "in_progress"
         await self._save(call.principal, state, items, conversation)
         try:
-            result = await self.service.chat(call, chat)
+            result = await run_chat(self.service, call, chat)
             assert isinstance(result, CompletionResult)  # a background response does not stream
             finish(state, result)
             conversation = conversation + output_messages(state)
@@ -243,6 +244,19 @@ class ResponsesAPI:
         page = items[:limit]
         return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
                 "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+
+
+async def run_chat(service: RequestService, call: Call, chat: ChatCompletionRequest
+                   ) -> CompletionResult | CompletionStream:
+    """The chat call; an error naming one of chat's fields names it as the Responses request does."""
+    try:
+        return await service.chat(call, chat)
+    except ParameterError as e:
+        raise ParameterError(responses_param(e.param), str(e)) from e
+    except APIError as e:
+        if e.param is None:
+            raise
+        raise APIError(e.status, e.message, e.type, responses_param(e.param), e.code, e.headers) from e
 
 
 # -- results as output items (pure) -------------------------------------------------------------------------
