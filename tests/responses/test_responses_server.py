@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 
 import httpx
@@ -220,3 +221,29 @@ def test_agents_sdk_default_responses_model_runs_a_function_tool(server) -> None
     outputs = [i for i in result.new_items if isinstance(i, ToolCallOutputItem)]
     assert outputs and "12:34" in str(outputs[0].output)
     assert isinstance(result.new_items[-1], MessageOutputItem) and isinstance(result.final_output, str)
+
+
+def test_a_background_response_cut_off_by_a_restart_runs_again_billed_once(server, alice) -> None:
+    """Last in the module: it restarts the server on the same data directory."""
+    s, keys = server
+    r = alice.responses.create(model=MODEL, input="Count from 1 to 100, separated by commas.",
+                               max_output_tokens=120, temperature=0, background=True)
+    deadline = time.monotonic() + 120
+    while not s.metric("tokenfactory:num_requests_running") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert s.stop() in (0, -signal.SIGTERM)  # SIGTERM while it runs (uvicorn re-raises it after a clean stop)
+    [cut] = s.ledger_rows(r.id)
+    assert cut["status"] == "aborted"
+    again = start_server(s.data_dir.parent, "--auth", "--power-source", "modelled", "--machine-profile", "off",
+                         timeout=600)
+    try:
+        client = client_of((again, keys), keys["alice"])
+        deadline = time.monotonic() + 300
+        while (r := client.responses.retrieve(r.id)).status in ("queued", "in_progress"):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert r.status in ("completed", "incomplete") and r.usage.output_tokens > 0
+        [row] = again.ledger_rows(r.id)  # the rerun's row superseded the cut-off one: billed once
+        assert (row["status"], row["completion_tokens"]) == ("finished", r.usage.output_tokens)
+    finally:
+        again.stop()

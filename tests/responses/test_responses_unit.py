@@ -1,5 +1,5 @@
 """The Responses API's pure parts: input items as chat messages, the chat request a body becomes, the streamed
-event order, and the store (per tenant, retention on a manual clock, a dead server's running responses failed)
+event order, and the store (per tenant, retention on a manual clock, a stopped server's running responses found again)
 on a real SQLite file. tests/responses/test_responses_server.py runs it all on the bundled model."""
 
 from __future__ import annotations
@@ -107,14 +107,15 @@ def test_store_per_tenant_with_retention(tmp_path) -> None:
         return {"id": rid, "created_at": 1000, "status": status, "previous_response_id": None}
 
     store.put("alice", body("r1"), [{"id": "m1"}], [{"role": "user", "content": "hi"}])
-    store.put("alice", body("r2", "in_progress"), [], [])
+    store.put("alice", body("r2", "in_progress"), [], [{"role": "user", "content": "go"}], '{"input": "go"}')
     assert store.get("r1", "alice").messages == [{"role": "user", "content": "hi"}]
     assert store.get("r1", "bob") is None and store.get("r1", None) is not None  # None: an admin's read
     assert not store.delete("r1", "bob") and store.get("r1", "alice") is not None
     store.put("alice", body("r1") | {"status": "incomplete"}, [], [])  # replaced, not added
     assert store.get("r1", "alice").status == "incomplete"
-    assert store.fail_running("stopped") == 1
-    assert store.get("r2", "alice").response["status"] == "failed"
+    [run] = store.running()  # a background response a stopped server left running, with what runs it again
+    assert (run.response_id, run.tenant, run.request_json, run.messages) == (
+        "r2", "alice", '{"input": "go"}', [{"role": "user", "content": "go"}])
     now[0] = 1060.0  # created_at + retention: gone from reads at once, then swept
     assert store.get("r1", "alice") is None
     assert store.sweep() == 2

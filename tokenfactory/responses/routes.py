@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from sqlalchemy.exc import SQLAlchemyError
 
+from tokenfactory.batch.routes import principal_lookup
 from tokenfactory.gateway.auth import principal_of
 from tokenfactory.gateway.routes import call_of, until_disconnect
 from tokenfactory.gateway.streaming import EventStream
@@ -58,7 +59,7 @@ def open_store(service: RequestService, retention_s: int) -> ResponseStore | Non
 def install_responses_routes(app: FastAPI, service: RequestService,
                              settings: ResponsesSettings | None = None) -> ResponsesAPI:
     settings = settings or ResponsesSettings()
-    api = ResponsesAPI(service, open_store(service, settings.retention_s))
+    api = ResponsesAPI(service, open_store(service, settings.retention_s), principal_lookup(service.tenancy))
     app.state.responses = api
     app.state.services.append(api)
 

@@ -7,8 +7,9 @@ kept per tenant when stored, continued with `previous_response_id`, or run in th
 
 A background response is stored `queued` and answered at once; its own task runs it under a `Call` of its
 own (its cancel signal is the cancel route's, not the HTTP request's) and stores it when it ends: completed,
-incomplete, failed or cancelled (billed for what was made, as any cancelled call). Stopping the app cancels
-the ones still running; a server that died with some running marks them failed at its next start.
+incomplete, failed or cancelled (billed for what was made, as any cancelled call). Like a batch line, one that a
+stopping (or dying) server cuts off stays in_progress and runs again from the start at the next start, under the
+same id, whose ledger row supersedes the cut-off attempt's (billed once); failed if its tenant is gone.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
+
+import pydantic
 
 from tokenfactory.responses.protocol import ResponsesRequest, input_items, item_messages, responses_param
 from tokenfactory.responses.render import EventWriter, ResponseState, call_item, message_item, new_id, response_usage
-from tokenfactory.responses.store import ResponseStore
+from tokenfactory.responses.store import RUNNING_STATUSES, ResponseStore, StoredResponse
 from tokenfactory.service.call import Call, Principal
 from tokenfactory.service.errors import APIError, Cancelled
 from tokenfactory.service.protocol import ChatCompletionRequest
@@ -55,10 +58,14 @@ class ResponseEvents:
 
 
 class ResponsesAPI:
-    def __init__(self, service: RequestService, store: ResponseStore | None) -> None:
-        self.service, self.store = service, store
+    def __init__(self, service: RequestService, store: ResponseStore | None,
+                 principal_of_tenant: Callable[[str], Principal | None] | None = None) -> None:
+        """`principal_of_tenant` (blocking): whom a resumed background response runs as (None: the tenant is gone;
+        without it, such responses fail at start-up)."""
+        self.service, self.store, self.principal_of_tenant = service, store, principal_of_tenant
         self.id_to_task: dict[str, asyncio.Task] = {}
         self.id_to_call: dict[str, Call] = {}
+        self.stopping = False
         self._sweeper: asyncio.Task | None = None
 
     # -- the app's lifetime -------------------------------------------------------------------------------
@@ -66,12 +73,42 @@ class ResponsesAPI:
     async def start(self) -> None:
         if self.store is None:
             return
-        failed = await asyncio.to_thread(self.store.fail_running, "the server stopped before this response ended")
-        if failed:
-            logger.warning("responses: %d background responses were running when the server stopped: failed", failed)
+        for run in await asyncio.to_thread(self.store.running):
+            await self._resume(run)
         self._sweeper = asyncio.ensure_future(self._sweep())
 
+    async def _resume(self, run: StoredResponse) -> None:
+        """A background response a stopped server left running, run again from the start under its id (the
+        ledger's row for the cut-off attempt is superseded by this one's: billed once, as a batch line)."""
+        lookup = self.principal_of_tenant
+        principal = await asyncio.to_thread(lookup, run.tenant) if lookup is not None else None
+        try:
+            if principal is None or run.request_json is None:
+                raise ParameterError("background", "the server stopped before this response ended and it cannot "
+                                     "run again (its tenant is gone)")
+            body = ResponsesRequest.model_validate_json(run.request_json)
+            system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+            chat = body.chat_request(system + run.messages)
+        except (ParameterError, pydantic.ValidationError) as e:
+            failed = run.response | {"status": "failed", "error": {"code": "server_error", "message": str(e)}}
+            await asyncio.to_thread(self.store.put, run.tenant, failed, run.input_items, run.messages)
+            return
+        state = ResponseState(body, run.response["model"], response_id=run.response_id,
+                              created_at=int(run.response["created_at"]))
+        logger.info("responses: background response %s runs again after a restart", run.response_id)
+        self._spawn(Call(principal, run.response_id), chat, state, run.input_items, run.messages)
+
+    def _spawn(self, call: Call, chat: ChatCompletionRequest, state: ResponseState, items: list[dict[str, Any]],
+               conversation: list[dict[str, Any]]) -> None:
+        self.id_to_call[state.response_id] = call
+        task = asyncio.ensure_future(self._background(call, chat, state, items, conversation))
+        self.id_to_task[state.response_id] = task
+        task.add_done_callback(lambda _: self._forget(state.response_id))
+
     async def stop(self) -> None:
+        """Background responses still running are cut off and left running in the store: the next start runs them
+        again."""
+        self.stopping = True
         if self._sweeper is not None:
             self._sweeper.cancel()
         for call in self.id_to_call.values():
@@ -103,13 +140,9 @@ class ResponsesAPI:
         state = ResponseState(body, served.name, created_at=int(time.time()))
         conversation = history + new_messages
         if body.background:
-            own = Call(call.principal, state.response_id, call.priority)
             state.status = "queued"
             await self._save(call.principal, state, items, conversation)
-            self.id_to_call[state.response_id] = own
-            task = asyncio.ensure_future(self._background(own, chat, state, items, conversation))
-            self.id_to_task[state.response_id] = task
-            task.add_done_callback(lambda _: self._forget(state.response_id))
+            self._spawn(Call(call.principal, state.response_id, call.priority), chat, state, items, conversation)
             return state.body()
         inner = Call(call.principal, state.response_id, call.priority, call.cancelled)
         result = await run_chat(self.service, inner, chat)
@@ -136,8 +169,8 @@ class ResponsesAPI:
                            "has ended", "invalid_request_error", "previous_response_id")
         return found.messages
 
-    async def _background(self, call: Call, chat: Any, state: ResponseState, items: list[dict[str, Any]],  # noqa: ANN401
-                          conversation: list[dict[str, Any]]) -> None:
+    async def _background(self, call: Call, chat: ChatCompletionRequest, state: ResponseState,
+                          items: list[dict[str, Any]], conversation: list[dict[str, Any]]) -> None:
         state.status = "in_progress"
         await self._save(call.principal, state, items, conversation)
         try:
@@ -146,6 +179,8 @@ class ResponsesAPI:
             finish(state, result)
             conversation = conversation + output_messages(state)
         except Cancelled:
+            if self.stopping:
+                return  # left in_progress (with its request): the next start runs it again
             state.status = "cancelled"
         except APIError as e:
             state.status, state.error = "failed", {"code": e.code or e.type, "message": e.message}
@@ -188,7 +223,9 @@ class ResponsesAPI:
     async def _save(self, principal: Principal, state: ResponseState, items: list[dict[str, Any]],
                     conversation: list[dict[str, Any]]) -> None:
         if self.store is not None and state.request.store:
-            await asyncio.to_thread(self.store.put, principal.tenant.name, state.body(), items, conversation)
+            running = state.status in RUNNING_STATUSES
+            await asyncio.to_thread(self.store.put, principal.tenant.name, state.body(), items, conversation,
+                                    state.request.model_dump_json() if running else None)
 
     # -- stored responses -------------------------------------------------------------------------------------
 

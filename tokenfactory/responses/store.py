@@ -5,7 +5,8 @@
                 the conversation through its output as chat messages (what previous_response_id continues)
 
 Every read names the tenant (None: an admin's, any tenant), so one tenant never sees, continues or deletes
-another's; an expired row reads as absent at once and is deleted by `sweep` (the API's service runs it at
+another's; a background response keeps its request body while it runs, so a server stopped under it runs it
+again at its next start; an expired row reads as absent at once and is deleted by `sweep` (the API's service runs it at
 start-up and then hourly). Blocking: callers run it in a worker thread.
 """
 
@@ -34,6 +35,7 @@ responses_table = sa.Table(
     sa.Column("response_json", sa.Text, nullable=False),
     sa.Column("input_json", sa.Text, nullable=False),
     sa.Column("messages_json", sa.Text, nullable=False),
+    sa.Column("request_json", sa.Text, nullable=True),  # a background one's body, to run it again after a restart
     sa.Index("ix_responses_tenant", "tenant"),
     sa.Index("ix_responses_expires_at", "expires_at"),
 )
@@ -47,6 +49,7 @@ class StoredResponse:
     response: dict[str, Any]
     input_items: list[dict[str, Any]]
     messages: list[dict[str, Any]]
+    request_json: str | None = None
 
 
 class ResponseStore:
@@ -55,13 +58,13 @@ class ResponseStore:
         metadata.create_all(engine, tables=[responses_table])
 
     def put(self, tenant: str, response: dict[str, Any], input_items: list[dict[str, Any]],
-            messages: list[dict[str, Any]]) -> None:
+            messages: list[dict[str, Any]], request_json: str | None = None) -> None:
         """Insert or replace the response (a background one is written when queued, then when it ends)."""
         row = {"tenant": tenant, "created_at": int(response["created_at"]), "status": response["status"],
                "expires_at": int(response["created_at"]) + self.retention_s,
                "previous_response_id": response.get("previous_response_id"),
                "response_json": json.dumps(response), "input_json": json.dumps(input_items),
-               "messages_json": json.dumps(messages)}
+               "messages_json": json.dumps(messages), "request_json": request_json}
         t = responses_table
         with self.engine.begin() as conn:
             updated = conn.execute(t.update().where(t.c.response_id == response["id"]).values(**row)).rowcount
@@ -75,10 +78,7 @@ class ResponseStore:
             query = query.where(t.c.tenant == tenant)
         with self.engine.connect() as conn:
             row = conn.execute(query).mappings().first()
-        if row is None:
-            return None
-        return StoredResponse(row["response_id"], row["tenant"], row["status"], json.loads(row["response_json"]),
-                              json.loads(row["input_json"]), json.loads(row["messages_json"]))
+        return None if row is None else stored(row)
 
     def delete(self, response_id: str, tenant: str | None) -> bool:
         t = responses_table
@@ -88,22 +88,20 @@ class ResponseStore:
         with self.engine.begin() as conn:
             return conn.execute(query).rowcount > 0
 
-    def fail_running(self, reason: str) -> int:
-        """At start-up: background responses a stopped server left queued or running end failed (they have no
-        task any more); returns how many."""
+    def running(self) -> list[StoredResponse]:
+        """At start-up: the background responses a stopped server left queued or running (to run again)."""
         t = responses_table
-        with self.engine.begin() as conn:
-            rows = conn.execute(sa.select(t.c.response_id, t.c.response_json).where(
-                t.c.status.in_(RUNNING_STATUSES))).all()
-            for response_id, text in rows:
-                response = json.loads(text) | {"status": "failed",
-                                               "error": {"code": "server_error", "message": reason}}
-                conn.execute(t.update().where(t.c.response_id == response_id).values(
-                    status="failed", response_json=json.dumps(response)))
-        return len(rows)
+        with self.engine.connect() as conn:
+            rows = conn.execute(sa.select(t).where(t.c.status.in_(RUNNING_STATUSES))).mappings().all()
+        return [stored(row) for row in rows]
 
     def sweep(self) -> int:
         """Delete the expired rows; returns how many."""
         t = responses_table
         with self.engine.begin() as conn:
             return conn.execute(t.delete().where(t.c.expires_at <= int(self.clock()))).rowcount
+
+
+def stored(row: Any) -> StoredResponse:  # noqa: ANN401 - a row mapping
+    return StoredResponse(row["response_id"], row["tenant"], row["status"], json.loads(row["response_json"]),
+                          json.loads(row["input_json"]), json.loads(row["messages_json"]), row["request_json"])
