@@ -31,6 +31,7 @@ bench: install
 	$(VENV)/bin/tokenfactory bench offline --out results/bench-offline.json
 
 # GPTQ / AWQ / compressed-tensors checkpoints written by GPTQModel and llm-compressor, each in its own virtualenv
-# (tests/models/test_hf_quant_tools.py skips without them; CI makes them first). ALL=1: the bundled model's too.
+# (tests/models/test_hf_quant_tools.py skips without them; CI makes them first). ALL=1: calibrated as the tools'
+# defaults do (an hour of CPU; the default calibrates less, enough for the loader's tests).
 quant-fixtures: install
 	PY=$(PY) bash scripts/quant_fixtures.sh .quant-fixtures $(if $(ALL),--all,)

@@ -22,6 +22,7 @@ import re
 import shutil
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -58,6 +59,28 @@ LLMCOMPRESSOR_RECIPES: dict[str, tuple[str, dict]] = {
     "smollm2-ct-gptq-w4a16-g32": ("smollm2", dict(modifier="gptq", num_bits=4, group_size=32, symmetric=True)),
     "smollm2-ct-awq-w4a16-asym-g32": ("smollm2", dict(modifier="awq", num_bits=4, group_size=32, symmetric=False)),
 }
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How hard the tools calibrate (the defaults: the tools' own). The tests check that we load what a tool wrote,
+    not how good its calibration is, so make quant-fixtures spends less where the time goes on a CPU:
+    llm-compressor runs each layer once per calibration batch, a Python-bound step of ~0.1 s even for one short
+    sample (batches of 16 of our equal-length samples cut that 16-fold, truncating at most a token or two), and
+    its AWQ runs the parent module's forward over every sample at every grid point (~6 minutes for the random
+    Llama at 64 samples and 20 points, ~an hour for SmolLM2): fewer of both cut that by their product."""
+
+    batch_size: int = 1  # llm-compressor's oneshot default (GPTQModel's runs take 4, as they did)
+    awq_samples: int = len(CALIBRATION)
+    awq_grid: int = 20  # llm-compressor's AWQModifier default (GPTQModel's AWQ has its own, fixed)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.awq_samples <= len(CALIBRATION) or self.awq_grid < 2 or self.batch_size < 1:
+            raise ValueError(f"batch_size must be positive, awq_samples 1..{len(CALIBRATION)} and awq_grid at "
+                             f"least 2: {self}")
+
+    def samples(self, awq: bool) -> int:
+        return self.awq_samples if awq else len(CALIBRATION)
 
 
 def tiny_llama(out: Path, tokenizer_from: Path) -> Path:
@@ -113,7 +136,7 @@ def restore_tokenizer(base: Path, out: Path) -> None:
             shutil.copy(base / name, out / name)
 
 
-def run_gptqmodel(base: Path, out: Path, kwargs: dict, prompts: list[list[int]]) -> None:
+def run_gptqmodel(base: Path, out: Path, kwargs: dict, prompts: list[list[int]], settings: Settings) -> None:
     from gptqmodel import GPTQModel, QuantizeConfig
     from gptqmodel.quantization import FORMAT, METHOD
     from gptqmodel.utils.backend import BACKEND
@@ -125,7 +148,8 @@ def run_gptqmodel(base: Path, out: Path, kwargs: dict, prompts: list[list[int]])
     # float16: the checkpoint's scale dtype, and the torch kernels take float16 or bfloat16 only.
     model = GPTQModel.load(str(base), QuantizeConfig(**kwargs), device="cpu", dtype=torch.float16)
     # The torch kernels run on a CPU-only machine; the defaults want CUDA for AWQ.
-    model.quantize(CALIBRATION, batch_size=4, backend=BACKEND.AWQ_TORCH if awq else BACKEND.AUTO)
+    model.quantize(CALIBRATION[:settings.samples(awq)], batch_size=4,
+                   backend=BACKEND.AWQ_TORCH if awq else BACKEND.AUTO)
     model.save(str(out))
     del model
     restore_tokenizer(base, out)
@@ -150,7 +174,7 @@ def gptqmodel_weights(model: torch.nn.Module, awq: bool) -> dict[str, torch.Tens
     return out
 
 
-def run_llmcompressor(base: Path, out: Path, kwargs: dict, prompts: list[list[int]]) -> None:
+def run_llmcompressor(base: Path, out: Path, kwargs: dict, prompts: list[list[int]], settings: Settings) -> None:
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from datasets import Dataset
     from llmcompressor import oneshot
@@ -173,12 +197,14 @@ def run_llmcompressor(base: Path, out: Path, kwargs: dict, prompts: list[list[in
         # pin memory, and with no device there is nothing to copy (tokenfactory/quality/calibrate.py does the same).
         if not torch.accelerator.is_available():
             cache.IntermediatesCache.pin_memory = lambda self, *a, **k: None
-        recipe = AWQModifier(config_groups={"group_0": scheme}, ignore=["lm_head"])
+        recipe = AWQModifier(config_groups={"group_0": scheme}, ignore=["lm_head"], n_grid=settings.awq_grid)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(base)
-    data = Dataset.from_dict({"text": CALIBRATION}).map(
+    calibration = CALIBRATION[:settings.samples(modifier == "awq")]
+    data = Dataset.from_dict({"text": calibration}).map(
         lambda s: tokenizer(s["text"], truncation=True, max_length=64), remove_columns=["text"])
-    oneshot(model=model, dataset=data, recipe=recipe, max_seq_length=64, num_calibration_samples=len(CALIBRATION))
+    oneshot(model=model, dataset=data, recipe=recipe, max_seq_length=64, num_calibration_samples=len(calibration),
+            batch_size=settings.batch_size)
     model.save_pretrained(out, save_compressed=True)
     tokenizer.save_pretrained(out)
     restore_tokenizer(base, out)
@@ -193,7 +219,14 @@ def main() -> int:
     parser.add_argument("--base", type=Path, required=True, help="the bundled model's HF copy (hf_export)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--only", nargs="*", help="recipe names (default: all of the tool's)")
+    parser.add_argument("--batch-size", type=int, default=Settings.batch_size,
+                        help=f"llm-compressor's calibration batch (default {Settings.batch_size})")
+    parser.add_argument("--awq-samples", type=int, default=Settings.awq_samples,
+                        help=f"calibration samples for AWQ recipes (default {Settings.awq_samples}; GPTQ takes all)")
+    parser.add_argument("--awq-grid", type=int, default=Settings.awq_grid,
+                        help=f"llm-compressor AWQ's grid points per mapping (default {Settings.awq_grid})")
     args = parser.parse_args()
+    settings = Settings(batch_size=args.batch_size, awq_samples=args.awq_samples, awq_grid=args.awq_grid)
     args.base, args.out = args.base.resolve(), args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     os.chdir(args.out)  # GPTQModel writes its logs and offload folders into the working directory
@@ -206,8 +239,9 @@ def main() -> int:
             continue
         shutil.rmtree(out, ignore_errors=True)
         start = time.perf_counter()
-        run(bases[base_name], out, kwargs, prompt_ids(bases[base_name]))
-        (out / "recipe.json").write_text(json.dumps({"tool": args.tool, "base": base_name, **kwargs}, default=str))
+        run(bases[base_name], out, kwargs, prompt_ids(bases[base_name]), settings)
+        (out / "recipe.json").write_text(json.dumps({"tool": args.tool, "base": base_name, **kwargs,
+                                                     **asdict(settings)}, default=str))
         print(f"{name}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     return 0
 
