@@ -9,6 +9,10 @@ served default, bfloat16, where the packed kernels round scales to bfloat16):
               compressed-tensors: <= 1e-7 (the library's own decompression, float32)
     logits    max |log p_ours - log p_theirs| over every position of four prompts < LOGPROB_TOLERANCE[format]
     greedy    on SmolLM2: at least 3 of 4 prompts give the tool's first 8 greedy tokens exactly
+SmolLM2's logits and greedy run in float32: its 30 layers in bfloat16 move the unquantized model's own
+log-probabilities on these prompts by up to 0.26 (mean 0.047) from float32, above any tolerance that would catch a
+wrong code (measured 2 Dec 2026: float32 worst 0.084 / 0.063 for llm-compressor's / GPTQModel's GPTQ, bfloat16 0.31
+/ 0.21; greedy in bfloat16 agreed on 2 of 4 prompts for llm-compressor's).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ TINY = ["gptq-4b-g32-actorder-asym", "gptq-4b-g128-sym", "gptq-4b-channel-sym", 
         "ct-gptq-w8a16-channel", "ct-awq-w4a16-asym-g32"]
 SMOLLM2 = ["smollm2-gptq-4b-g32-actorder", "smollm2-awq-gemm-4b-g32", "smollm2-ct-gptq-w4a16-g32",
            "smollm2-ct-awq-w4a16-asym-g32"]
+FULL_ONLY = {"smollm2-awq-gemm-4b-g32", "smollm2-ct-awq-w4a16-asym-g32"}  # `make quant-fixtures ALL=1` (~an hour)
 LOGPROB_TOLERANCE = {"gptq": 0.1, "awq": 0.1, "compressed-tensors": 0.1}
 MiB = 1 << 20
 
@@ -39,7 +44,8 @@ MiB = 1 << 20
 def fixture(name: str) -> tuple[Path, dict]:
     folder = FIXTURES / name
     if not (folder / "reference.pt").is_file():
-        pytest.skip(f"{folder} is missing: `make quant-fixtures` writes it with GPTQModel and llm-compressor")
+        make = "make quant-fixtures ALL=1" if name in FULL_ONLY else "make quant-fixtures"
+        pytest.skip(f"{folder} is missing: `{make}` writes it with GPTQModel and llm-compressor")
     return folder, torch.load(folder / "reference.pt")
 
 
@@ -90,7 +96,7 @@ def logprobs(logits: torch.Tensor, ids: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("name", TINY + SMOLLM2)
 def test_logits_match_the_tools_forward(name):
     folder, reference = fixture(name)
-    eng = engine(folder)
+    eng = engine(folder, "float32" if name in SMOLLM2 else "auto")
     worst = max((torch.tensor(eng.score(ids)) - logprobs(logits, ids)).abs().max().item()
                 for ids, logits in zip(reference["prompt_ids"], reference["logits"], strict=True))
     assert worst < LOGPROB_TOLERANCE[load_model(folder).format], worst
@@ -100,7 +106,7 @@ def test_logits_match_the_tools_forward(name):
 @pytest.mark.parametrize("name", SMOLLM2)
 def test_greedy_agrees_with_the_tool_on_the_bundled_model(name):
     folder, reference = fixture(name)
-    eng = engine(folder)
+    eng = engine(folder, "float32")
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     ids = [eng.add_request({"prompt_token_ids": p}, params) for p in reference["prompt_ids"]]
     final = eng.run_to_completion(ids)
