@@ -126,7 +126,7 @@ def test_a_tools_checkpoint_is_served(tmp_path):
     try:
         client = OpenAI(base_url=server.url + "/v1", api_key="unused")
         out = client.completions.create(model=client.models.list().data[0].id, prompt=reference["prompt_ids"][0],
-                                        max_tokens=8, temperature=0)
+                                        max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
         assert out.usage.completion_tokens == 8 and out.choices[0].text
     finally:
         server.stop()
