@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install serve test test-quick lint bench quant-fixtures
+.PHONY: install serve test test-quick lint bench quant-fixtures lmeval
 
 install: $(VENV)/.installed
 
@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 serve: install
 	$(VENV)/bin/tokenfactory serve
 
-test: install
+test: install lmeval
 	$(VENV)/bin/pytest -q --durations=30
 
 test-quick: install
@@ -35,3 +35,14 @@ bench: install
 # defaults do (an hour of CPU; the default calibrates less, enough for the loader's tests).
 quant-fixtures: install
 	PY=$(PY) bash scripts/quant_fixtures.sh .quant-fixtures $(if $(ALL),--all,)
+
+# lm-evaluation-harness in a virtualenv of its own (it pins python-dateutil below 3, which the dev extra's packages
+# do not allow), for tests/gateway/test_lm_eval.py: lm-eval's `local-completions` against our server beside its own
+# `hf` model. A failed install is reported and that test skips, saying why; every other test still runs.
+LMEVAL_VENV ?= .venv-lmeval
+lmeval: $(LMEVAL_VENV)/.installed
+
+$(LMEVAL_VENV)/.installed: Makefile
+	-test -x $(LMEVAL_VENV)/bin/python || python3 -m venv $(LMEVAL_VENV)
+	-$(LMEVAL_VENV)/bin/python -m pip install -q torch==2.13.0 && \
+	  $(LMEVAL_VENV)/bin/python -m pip install -q transformers==5.24.0 'lm-eval[api]==0.4.13' && touch $@

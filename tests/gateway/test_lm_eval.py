@@ -4,9 +4,9 @@ lm-eval's own `hf` model on the same weights (the bundled model written as a flo
 the server loads too): the same accuracy, each choice's loglikelihood to 1e-3 and whether it is the greedy continuation.
 
 lm-eval is not in the dev extra: it pins python-dateutil below 3, which would downgrade the dev environment's.
-It runs from a virtualenv of its own: LMEVAL_PYTHON (default /work/venvs/lmeval/bin/python, made with
-`python -m venv /work/venvs/lmeval && /work/venvs/lmeval/bin/pip install torch transformers "lm-eval[api]"`); the test
-is skipped, saying so, where that interpreter is absent. Slow: two lm-eval runs and a real server."""
+It runs from a virtualenv of its own: LMEVAL_PYTHON (default the checkout's .venv-lmeval, which `make test` makes
+with `make lmeval`); the test is skipped, saying so, where that interpreter is absent. Slow: two lm-eval runs
+and a real server."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from tests.server_util import start_server
 
 pytestmark = pytest.mark.slow
 
-LMEVAL_PYTHON = Path(os.environ.get("LMEVAL_PYTHON", "/work/venvs/lmeval/bin/python"))
+LMEVAL_PYTHON = Path(os.environ.get("LMEVAL_PYTHON", Path(__file__).parents[2] / ".venv-lmeval" / "bin" / "python"))
 TASK = "tf_tiny_mc"
 QUESTIONS = [  # (question, choices, answer index): easy enough that a 135M model gets some, not all
     ("The capital of France is", ["Paris", "Berlin", "Madrid", "Rome"], 0),
@@ -74,7 +74,8 @@ def lm_eval(out: Path, tasks: Path, model: str, model_args: str) -> tuple[float,
 
 
 @pytest.mark.skipif(not LMEVAL_PYTHON.exists(), reason=f"lm-eval's own venv is absent ({LMEVAL_PYTHON}; set "
-                    "LMEVAL_PYTHON): it is kept out of the dev extra since it would downgrade python-dateutil")
+                    "LMEVAL_PYTHON, or run `make lmeval`): it is kept out of the dev extra since it would "
+                    "downgrade python-dateutil")
 def test_local_completions_matches_lm_evals_hf_model(tmp_path) -> None:
     folder = tmp_path / "hf"
     subprocess.run([sys.executable, "-m", "tokenfactory.models.hf_export", str(folder)], check=True,
