@@ -5,10 +5,11 @@
 #
 # Each tool gets its own virtualenv under OUT, because each pins a transformers of its own (llm-compressor
 # 0.14: <= 5.17; GPTQModel 6.0.3: 5.4, with kernels 0.12) and GPTQModel's newest release wants a CUDA torch 2.14:
-# both take the CPU torch 2.13.0 first. By default (CI's budget): every recipe on the small random Llama, and one
-# GPTQ per tool on the bundled SmolLM2's float copy (the greedy-agreement, codes and serving tests), calibrated as
+# both take the CPU torch 2.13.0 first. By default (CI's budget): every recipe on the small random Llama, and
+# GPTQModel's act-order GPTQ of the bundled SmolLM2's float copy (the greedy-agreement, codes and serving tests;
+# ~4 min; llm-compressor's GPTQ of it took ~9 min on a fresh 2-core machine, so it is --all's), calibrated as
 # little as a loader test needs (see Settings in scripts/quant_checkpoints.py): llm-compressor in batches of 16,
-# AWQ on 16 samples and llm-compressor's AWQ on 5 grid points. --all adds SmolLM2's AWQ recipes and calibrates
+# AWQ on 16 samples and llm-compressor's AWQ on 5 grid points. --all adds SmolLM2's other recipes and calibrates
 # as the tools do by default (64 samples one at a time, 20 grid points: ~an hour of CPU for llm-compressor's
 # AWQ on SmolLM2). A folder already holding its reference.pt is kept.
 #
@@ -20,12 +21,12 @@ OUT=${1:-.quant-fixtures}
 ALL=${2:-}
 PY=${PY:-.venv/bin/python}
 QUICK=(--batch-size 16 --awq-samples 16 --awq-grid 5)
-LLMC="ct-gptq-w4a16-g64 ct-gptq-w4a16-asym-channel ct-gptq-w8a16-channel ct-awq-w4a16-asym-g32 smollm2-ct-gptq-w4a16-g32"
+LLMC="ct-gptq-w4a16-g64 ct-gptq-w4a16-asym-channel ct-gptq-w8a16-channel ct-awq-w4a16-asym-g32"
 GPTQMODEL="gptq-4b-g32-actorder-asym gptq-4b-g128-sym gptq-4b-channel-sym gptq-8b-g64-actorder-sym gptq-8b-g32-asym
     awq-gemm-4b-g64 smollm2-gptq-4b-g32-actorder"
 if [ "$ALL" = "--all" ]; then
     QUICK=()
-    LLMC="$LLMC smollm2-ct-awq-w4a16-asym-g32"
+    LLMC="$LLMC smollm2-ct-gptq-w4a16-g32 smollm2-ct-awq-w4a16-asym-g32"
     GPTQMODEL="$GPTQMODEL smollm2-awq-gemm-4b-g32"
 fi
 mkdir -p "$OUT"

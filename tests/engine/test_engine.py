@@ -37,8 +37,9 @@ def test_llm_default_loads_the_bundled_model_and_chats() -> None:
 def test_seed_gives_same_output_whatever_shares_the_batch(bundled) -> None:
     # float32: in bfloat16 a row's logits round differently with the batch's size (the matmul kernels block
     # by it), so a near-tie between the top candidates can flip; float32 keeps those differences ~1e-6.
+    # No machine profile: it would be measured afresh for this float32 copy (83 s at load 5), and seeds are not speed.
     engine = LLMEngine(EngineConfig(dtype="float32", kv_cache_memory=64 << 20, max_model_len=1024,
-                                    quantization="none"), bundled)
+                                    quantization="none", machine_profile="off"), bundled)
     params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=16, ignore_eos=True)
     alone = generate(engine, "Write a word:", params).outputs[0].token_ids
     others = [engine.add_request(f"Story number {i}:", SamplingParams(temperature=1.0, max_tokens=12))

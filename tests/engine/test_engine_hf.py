@@ -64,7 +64,10 @@ def assert_matches(got: list[int], ref: tuple[list[int], list[float]]) -> int:
 def make_engine(bundled, **kw) -> LLMEngine:
     # The file's own int4 blocks (the "auto" default) run through bf16-activation kernels; the engine's
     # mechanics are compared with transformers on the same float32 weights (quantization: test_quant*.py).
-    cfg = dict(dtype="float32", kv_cache_memory=64 << 20, max_model_len=1024, quantization="none")
+    # No machine profile (crossovers and threads are speed, not tokens): measuring one for this float32 copy took
+    # 83 s of the suite at load 5.
+    cfg = dict(dtype="float32", kv_cache_memory=64 << 20, max_model_len=1024, quantization="none",
+               machine_profile="off")
     cfg.update(kw)
     return LLMEngine(EngineConfig(**cfg), bundled)
 

@@ -36,7 +36,7 @@ TINY = ["gptq-4b-g32-actorder-asym", "gptq-4b-g128-sym", "gptq-4b-channel-sym", 
         "ct-gptq-w8a16-channel", "ct-awq-w4a16-asym-g32"]
 SMOLLM2 = ["smollm2-gptq-4b-g32-actorder", "smollm2-awq-gemm-4b-g32", "smollm2-ct-gptq-w4a16-g32",
            "smollm2-ct-awq-w4a16-asym-g32"]
-FULL_ONLY = {"smollm2-awq-gemm-4b-g32", "smollm2-ct-awq-w4a16-asym-g32"}  # `make quant-fixtures ALL=1` (~an hour)
+FULL_ONLY = {"smollm2-awq-gemm-4b-g32", "smollm2-ct-gptq-w4a16-g32", "smollm2-ct-awq-w4a16-asym-g32"}  # ALL=1
 LOGPROB_TOLERANCE = {"gptq": 0.1, "awq": 0.1, "compressed-tensors": 0.1}
 MiB = 1 << 20
 
@@ -121,7 +121,7 @@ def test_a_tools_checkpoint_is_served(tmp_path):
 
     from tests.server_util import start_server
 
-    folder, reference = fixture("smollm2-ct-gptq-w4a16-g32")
+    folder, reference = fixture("smollm2-gptq-4b-g32-actorder")
     server = start_server(tmp_path, "--model", str(folder))
     try:
         client = OpenAI(base_url=server.url + "/v1", api_key="unused")
