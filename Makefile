@@ -38,11 +38,11 @@ quant-fixtures: install
 
 # lm-evaluation-harness in a virtualenv of its own (it pins python-dateutil below 3, which the dev extra's packages
 # do not allow), for tests/gateway/test_lm_eval.py: lm-eval's `local-completions` against our server beside its own
-# `hf` model. A failed install is reported and that test skips, saying why; every other test still runs.
+# `hf` model (which needs accelerate). A failed install is reported and that test skips, saying why; every other test still runs.
 LMEVAL_VENV ?= .venv-lmeval
 lmeval: $(LMEVAL_VENV)/.installed
 
 $(LMEVAL_VENV)/.installed: Makefile
 	-test -x $(LMEVAL_VENV)/bin/python || python3 -m venv $(LMEVAL_VENV)
 	-$(LMEVAL_VENV)/bin/python -m pip install -q torch==2.13.0 && \
-	  $(LMEVAL_VENV)/bin/python -m pip install -q transformers==5.24.0 'lm-eval[api]==0.4.13' && touch $@
+	  $(LMEVAL_VENV)/bin/python -m pip install -q transformers==5.24.0 accelerate==1.15.0 'lm-eval[api]==0.4.13' && touch $@
