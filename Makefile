@@ -38,7 +38,8 @@ quant-fixtures: install
 
 # lm-evaluation-harness in a virtualenv of its own (it pins python-dateutil below 3, which the dev extra's packages
 # do not allow), for tests/gateway/test_lm_eval.py: lm-eval's `local-completions` against our server beside its own
-# `hf` model (which needs accelerate). A failed install is reported and that test skips, saying why; every other test still runs.
+# `hf` model (which needs accelerate). A failed install is reported and that test skips, saying why; every other
+# test still runs.
 LMEVAL_VENV ?= .venv-lmeval
 lmeval: $(LMEVAL_VENV)/.installed
 
