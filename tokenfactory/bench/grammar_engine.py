@@ -20,7 +20,7 @@ import statistics
 import time
 from typing import Any
 
-from tokenfactory.bench.grammar_libs import ORDER_SCHEMA, tool_definitions
+from tokenfactory.bench.grammar_libs import ORDER_SCHEMA, tool_definitions, valid_order_share
 
 ORDER_PROMPT = ("Write one customer order for a fruit shop as JSON: an order id like ABC-1234, the customer's name "
                 "and email, one to three items with sku, quantity and price, and a status.")
@@ -90,26 +90,11 @@ def throughput(args: Any) -> dict[str, Any]:
                          for k in ("seconds", "output_tokens", "output_tok_s", "steps", "forced_tokens", "joules",
                                    "joules_per_token")}
             row[name]["energy_source"] = runs[0]["energy_source"]
-        row["valid_json_share"] = _valid_share([t for r in rounds["schema"] + rounds["schema_no_forced"]
+        row["valid_json_share"] = valid_order_share([t for r in rounds["schema"] + rounds["schema_no_forced"]
                                                 for t in r["texts"]])
         row["schema_vs_plain_tok_s"] = row["schema"]["output_tok_s"] / row["plain"]["output_tok_s"]
         out[f"clients_{clients}"] = row
     return out
-
-
-def _valid_share(texts: list[str]) -> float:
-    import json
-
-    import jsonschema
-
-    ok = 0
-    for text in texts:
-        try:
-            jsonschema.validate(json.loads(text), ORDER_SCHEMA)
-            ok += 1
-        except (ValueError, jsonschema.ValidationError):
-            pass
-    return ok / max(len(texts), 1)
 
 
 def forced_savings(args: Any) -> dict[str, Any]:

@@ -434,3 +434,19 @@ def apply_mask_cost(vocab_size: int, batches: tuple[int, ...] = (1, 8, 32), repe
             times.append(time.perf_counter() - t0)
         out[f"batch_{b}_ms"] = 1e3 * statistics.median(times)
     return out
+
+
+def valid_order_share(texts: list[str]) -> float:
+    """The share of `texts` that parse as JSON and validate against ORDER_SCHEMA (jsonschema judges)."""
+    import json
+
+    import jsonschema
+
+    ok = 0
+    for text in texts:
+        try:
+            jsonschema.validate(json.loads(text), ORDER_SCHEMA)
+            ok += 1
+        except (ValueError, jsonschema.ValidationError):
+            pass
+    return ok / max(len(texts), 1)

@@ -14,7 +14,6 @@ stopped at the end.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shlex
 import statistics
@@ -25,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenfactory.bench.grammar_engine import ORDER_PROMPT
-from tokenfactory.bench.grammar_libs import ORDER_SCHEMA
+from tokenfactory.bench.grammar_libs import ORDER_SCHEMA, valid_order_share
 
 
 def _body(model: str | None, constrained: bool, max_tokens: int, seed: int, temperature: float) -> dict[str, Any]:
@@ -65,20 +64,10 @@ async def _load(url: str, model: str | None, clients: int, per_client: int, cons
             "joules": total_j, "joules_per_token": None if total_j is None else total_j / tokens,
             "energy_source": "+".join(sorted({u.get("energy_source") or "none" for u in usage})),
             "forced_tokens": sum(u.get("forced_tokens") or 0 for u in usage),
-            "valid_share": _valid([a["choices"][0]["message"]["content"] for a in answers]) if constrained else None}
+            "valid_share": valid_order_share([a["choices"][0]["message"]["content"] for a in answers])
+            if constrained else None}
 
 
-def _valid(texts: list[str]) -> float:
-    import jsonschema
-
-    ok = 0
-    for text in texts:
-        try:
-            jsonschema.validate(json.loads(text), ORDER_SCHEMA)
-            ok += 1
-        except (ValueError, jsonschema.ValidationError):
-            pass
-    return ok / max(len(texts), 1)
 
 
 def _median_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -85,24 +85,12 @@ def response_format_grammar(response_format: Mapping[str, Any] | None) -> Gramma
 
 def guided_grammar(fields: Mapping[str, Any]) -> list[GrammarSpec]:
     """vLLM's request fields (the body's, by name), each as a spec naming its field."""
-    specs = []
-    if fields.get("guided_json") is not None:
-        specs.append(_json_schema(fields["guided_json"], "guided_json"))
-    if fields.get("guided_regex") is not None:
-        specs.append(GrammarSpec.regex(fields["guided_regex"], "guided_regex"))
-    if fields.get("guided_choice") is not None:
-        specs.append(GrammarSpec.choice(fields["guided_choice"], "guided_choice"))
-    if fields.get("guided_grammar") is not None:
-        specs.append(GrammarSpec.grammar(fields["guided_grammar"], "guided_grammar"))
+    kinds = (("json", _json_schema), ("regex", GrammarSpec.regex), ("choice", GrammarSpec.choice),
+             ("grammar", GrammarSpec.grammar))
+    specs = [make(fields[f"guided_{kind}"], f"guided_{kind}") for kind, make in kinds
+             if fields.get(f"guided_{kind}") is not None]
     so = fields.get("structured_outputs") or {}
-    if so.get("json") is not None:
-        specs.append(_json_schema(so["json"], "structured_outputs.json"))
-    if so.get("regex") is not None:
-        specs.append(GrammarSpec.regex(so["regex"], "structured_outputs.regex"))
-    if so.get("choice") is not None:
-        specs.append(GrammarSpec.choice(so["choice"], "structured_outputs.choice"))
-    if so.get("grammar") is not None:
-        specs.append(GrammarSpec.grammar(so["grammar"], "structured_outputs.grammar"))
+    specs += [make(so[kind], f"structured_outputs.{kind}") for kind, make in kinds if so.get(kind) is not None]
     if so.get("json_object"):
         specs.append(GrammarSpec.json_object("structured_outputs.json_object"))
     return specs
