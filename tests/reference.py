@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from tokenfactory.config import ModelConfig
-from tokenfactory.models.loader import LoadedModel, bundled_model_path
+from tokenfactory.models.loader import LoadedModel, bundled_model_path, load_model
 
 ARCHITECTURE_TO_CLASSES = {  # ModelConfig.architecture -> (config class, model class) in transformers
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
@@ -287,3 +287,9 @@ def _gguf_value_type(value: object) -> object:
     if isinstance(value, float):
         return gguf.GGUFValueType.FLOAT32
     return gguf.GGUFValueType.STRING
+
+
+def tiny_llama_and_reference(folder: Path) -> tuple[LoadedModel, torch.nn.Module]:
+    """A small random Llama (4 heads, 2 KV heads) written to `folder`, loaded, with its transformers model."""
+    loaded = load_model(tiny_random_model_dir(folder, "llama", num_heads=4, num_kv_heads=2))
+    return loaded, hf_model_from_loaded(loaded)

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from tests.reference import hf_model_from_loaded, tiny_gguf_file, tiny_random_model_dir
+from tests.reference import tiny_gguf_file, tiny_llama_and_reference, tiny_random_model_dir
 from tokenfactory.config import EngineConfig
 from tokenfactory.engine.engine import LLMEngine
 from tokenfactory.engine.llm import LLM
@@ -21,9 +21,7 @@ LENGTHS = (1, 3, 17, 40, 64)
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    folder = tiny_random_model_dir(tmp_path_factory.mktemp("tiny"), "llama", num_heads=4, num_kv_heads=2)
-    loaded = load_model(folder)
-    return loaded, hf_model_from_loaded(loaded)
+    return tiny_llama_and_reference(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,11 @@ import pytest
 import torch
 from openai import OpenAI
 
-from tests.reference import hf_model_from_loaded, tiny_random_model_dir
+from tests.reference import tiny_llama_and_reference
 from tests.server_util import start_gateway
 from tokenfactory.config import EngineConfig
 from tokenfactory.engine.async_engine import AsyncEngine
 from tokenfactory.engine.engine import LLMEngine
-from tokenfactory.models.loader import load_model
 
 pytestmark = pytest.mark.slow
 
@@ -30,9 +29,7 @@ TEXT = "The quick brown fox jumps over the lazy dog, and then it sleeps."
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    folder = tiny_random_model_dir(tmp_path_factory.mktemp("tiny"), "llama", num_heads=4, num_kv_heads=2)
-    loaded = load_model(folder)
-    return loaded, hf_model_from_loaded(loaded)
+    return tiny_llama_and_reference(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")

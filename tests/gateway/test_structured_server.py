@@ -8,7 +8,6 @@ result it reads), and a Batch API job of such lines. Slow: the real model, a rea
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
 import re
@@ -18,6 +17,7 @@ import jsonschema
 import openai
 import pytest
 
+from tests.agents_util import run_clock_agent
 from tests.server_util import Server, start_server
 
 pytestmark = pytest.mark.slow
@@ -215,29 +215,10 @@ def test_langchain_structured_output_and_bind_tools(server: Server) -> None:
 
 
 def test_agents_sdk_calls_its_function_tool_and_reads_the_result(server: Server) -> None:
-    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
-    from agents.items import MessageOutputItem, ToolCallOutputItem
+    from agents import OpenAIChatCompletionsModel
 
-    set_tracing_disabled(True)
-    zones: list[str] = []
-
-    @function_tool
-    def get_time(zone: str) -> str:
-        """The current time in a time zone."""
-        zones.append(zone)
-        return f"It is 12:34 in {zone}."
-
-    model = OpenAIChatCompletionsModel(model=MODEL, openai_client=openai.AsyncOpenAI(
-        base_url=server.url + "/v1", api_key="none", max_retries=0))
-    # The SDK resets tool_choice after the call (reset_tool_choice), so the second turn reads the result freely.
-    agent = Agent(name="clock", instructions="Tell the user the time.", tools=[get_time], model=model,
-                  model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=80,
-                                               temperature=0.3))
-    result = asyncio.run(Runner.run(agent, "What time is it in UTC?", max_turns=4))
-    assert zones and all(isinstance(z, str) for z in zones)
-    outputs = [i for i in result.new_items if isinstance(i, ToolCallOutputItem)]
-    assert outputs and "12:34" in str(outputs[0].output)
-    assert isinstance(result.new_items[-1], MessageOutputItem) and isinstance(result.final_output, str)
+    run_clock_agent(OpenAIChatCompletionsModel(model=MODEL, openai_client=openai.AsyncOpenAI(
+        base_url=server.url + "/v1", api_key="none", max_retries=0)))
 
 
 def test_batch_lines_with_schemas_and_tools(client) -> None:

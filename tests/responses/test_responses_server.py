@@ -7,7 +7,6 @@ model, a real server process."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import signal
 import time
@@ -17,6 +16,7 @@ import jsonschema
 import openai
 import pytest
 
+from tests.agents_util import run_clock_agent
 from tests.server_util import Server, start_server
 from tokenfactory.cli import main as cli_main
 
@@ -190,37 +190,12 @@ def test_background_runs_and_cancels(server, alice, bob) -> None:
 
 
 def test_agents_sdk_default_responses_model_runs_a_function_tool(server) -> None:
-    from agents import (
-        Agent,
-        ModelSettings,
-        Runner,
-        function_tool,
-        set_default_openai_api,
-        set_default_openai_client,
-        set_tracing_disabled,
-    )
-    from agents.items import MessageOutputItem, ToolCallOutputItem
+    from agents import set_default_openai_api, set_default_openai_client
 
-    set_tracing_disabled(True)
     set_default_openai_api("responses")  # the SDK's default: said, so a changed default fails here
     set_default_openai_client(openai.AsyncOpenAI(base_url=server[0].url + "/v1", api_key=server[1]["alice"],
                                                  max_retries=0, timeout=600), use_for_tracing=False)
-    zones: list[str] = []
-
-    @function_tool
-    def get_time(zone: str) -> str:
-        """The current time in a time zone."""
-        zones.append(zone)
-        return f"It is 12:34 in {zone}."
-
-    agent = Agent(name="clock", instructions="Tell the user the time.", tools=[get_time], model=MODEL,
-                  model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=80,
-                                               temperature=0.3))
-    result = asyncio.run(Runner.run(agent, "What time is it in UTC?", max_turns=4))
-    assert zones and all(isinstance(z, str) for z in zones)
-    outputs = [i for i in result.new_items if isinstance(i, ToolCallOutputItem)]
-    assert outputs and "12:34" in str(outputs[0].output)
-    assert isinstance(result.new_items[-1], MessageOutputItem) and isinstance(result.final_output, str)
+    run_clock_agent(MODEL)
 
 
 def test_a_background_response_cut_off_by_a_restart_runs_again_billed_once(server, alice) -> None:
