@@ -7,6 +7,8 @@ import argparse
 import importlib
 import sys
 
+from tokenfactory.types import MissingExtra
+
 # Subcommand modules, each exposing `register(subparsers: argparse._SubParsersAction) -> None`.
 COMMAND_MODULES: tuple[str, ...] = (
     "tokenfactory.serve.cli",  # serve
@@ -39,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, MissingExtra) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -248,6 +248,10 @@ def _check(ok: bool, param: str, message: str) -> None:
         raise ParameterError(param, f"{param} {message}")
 
 
+class MissingExtra(RuntimeError):
+    """An optional dependency a command needs is not installed; the message says what to pip install."""
+
+
 class ParameterError(ValueError):
     """A ValueError that knows which parameter was wrong (the server reports it as `param`)."""
 

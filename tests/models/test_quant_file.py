@@ -70,6 +70,29 @@ def test_int4_file_runs_like_int4_at_load_time(tiny_hf, tmp_path) -> None:
     assert greedy_tokens(stored, prompts, 8) == greedy_tokens(runtime, prompts, 8)
 
 
+@pytest.mark.slow
+def test_lm_head_float_leaves_the_head_as_calibration_recipes_do(tiny_hf, tiny_gguf, tmp_path, capsys) -> None:
+    # Round to nearest shaped like a GPTQ/AWQ folder (recipes ignore lm_head), so the two compare like with like.
+    for source, scheme, body in ((tiny_hf, "int4-g64", "int4-g64"), (tiny_gguf, "auto", None)):
+        out = tmp_path / f"{source.name}.{scheme}.head-float.safetensors"
+        assert main(["quantize", str(source), str(out), "--quantization", scheme, "--lm-head", "float"]) == 0
+        with safe_open(out, framework="pt") as f:
+            meta = f.metadata()
+        formats = json.loads(meta["tensor_formats"])
+        assert meta["lm_head"] == "float" and formats
+        assert "lm_head.weight" not in formats and "model.embed_tokens.weight" not in formats
+        assert body is None or set(formats.values()) == {body}
+        loaded = load_model(out)
+        _, summary = load_engine(loaded, "auto", max_model_len=64)
+        assert "lm_head" not in summary.path_to_format and summary.num_quantized_layers == len(formats) // 7 * 4
+        assert torch.equal(loaded.weights["model.embed_tokens.weight"],
+                           load_model(source).weights["model.embed_tokens.weight"].float())
+    capsys.readouterr()
+    assert main(["quantize", str(tiny_hf), str(tmp_path / "c"), "--method", "gptq", "--calibration", "x.jsonl",
+                 "--lm-head", "quantized"]) == 2
+    assert "--lm-head quantized is for round to nearest" in capsys.readouterr().err
+
+
 def test_quantize_refuses_to_overwrite(tiny_gguf, tmp_path, capsys) -> None:
     before = tiny_gguf.read_bytes()
     assert main(["quantize", str(tiny_gguf), str(tiny_gguf), "--quantization", "int8"]) == 2

@@ -173,7 +173,10 @@ def test_eval_of_a_calibrated_folder_compares_with_its_source_and_rounding(tmp_p
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and out["comparison"]["verdict"] == "PASS"
     assert out["result"]["text_source"] == str(folder / "heldout.jsonl")
-    assert out["round_to_nearest"]["quantization"] == "int4-g32" and out["round_to_nearest"]["model"] == str(float_dir)
+    # Rounded with its LM head float, as the folder's recipe left it: the same layers quantized, the same bytes.
+    rtn = out["round_to_nearest"]
+    assert rtn["quantization"] == "int4-g32 (LM head float)" and rtn["model"] == str(float_dir)
+    assert rtn["decode_weight_bytes"] == out["result"]["decode_weight_bytes"], (rtn, out["result"])
     assert out["comparison"]["baseline"].startswith(f"none ({float_dir}")
 
 

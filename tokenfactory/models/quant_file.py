@@ -57,8 +57,10 @@ class QuantizedFileSummary:
     name_to_format: dict[str, str]
 
 
-def plan_file(loaded: LoadedModel, scheme_name: str) -> tuple[dict[str, QuantizedWeight], dict[str, torch.Tensor]]:
-    """(quantized tensors, tensors kept as they are) that a file for this scheme holds."""
+def plan_file(loaded: LoadedModel, scheme_name: str, quantize_lm_head: bool = True,
+              ) -> tuple[dict[str, QuantizedWeight], dict[str, torch.Tensor]]:
+    """(quantized tensors, tensors kept as they are) that a file for this scheme holds. `quantize_lm_head=False`
+    leaves the LM head (and a tied head's embedding) as it is, as llm-compressor's and GPTQModel's recipes do."""
     scheme = get_scheme(scheme_name)
     if scheme.name == "none":
         raise ValueError("quantization 'none' would write the weights unchanged; pick auto, int8 or int4")
@@ -67,22 +69,26 @@ def plan_file(loaded: LoadedModel, scheme_name: str) -> tuple[dict[str, Quantize
         raise ValueError(f"{loaded.path} has no quantized tensors that map onto int8/int4 (a {loaded.format} "
                          f"model), so 'auto' has nothing to keep; pick int8 or int4")
     # The file's formats are int8 and int4: a GGUF's Q5_K (int5) layers are written as float (or requantized).
+    tied = loaded.config.tie_word_embeddings
+    head = {"lm_head.weight", "model.embed_tokens.weight"} if tied else {"lm_head.weight"}
     quantized = {n: w for n, w in exact.items() if (n in loaded.weights or n == "lm_head.weight")
-                 and isinstance(w, Int4Weight | Int8Weight)}
+                 and isinstance(w, Int4Weight | Int8Weight) and (quantize_lm_head or n not in head)}
     if scheme.quantize is not None:
-        tied = loaded.config.tie_word_embeddings
-        names = linear_tensor_names(loaded.config)
+        names = [n for n in linear_tensor_names(loaded.config) if quantize_lm_head or n != "lm_head.weight"]
         for name in track(names, f"quantizing to {scheme.name}", total=len(names)):
             source = "model.embed_tokens.weight" if tied and name == "lm_head.weight" else name
             w = exact[source].dequantize() if source in exact else loaded.weights[source]
             quantized[name] = scheme.quantize(w.float(), name)
     plain = {n: w for n, w in loaded.weights.items() if n not in quantized}
+    if not quantize_lm_head and not tied and "lm_head.weight" not in plain and "lm_head.weight" in exact:
+        plain["lm_head.weight"] = exact["lm_head.weight"].dequantize()
     return quantized, plain
 
 
-def save_quantized(loaded: LoadedModel, scheme_name: str, out: Path) -> QuantizedFileSummary:
+def save_quantized(loaded: LoadedModel, scheme_name: str, out: Path,
+                   quantize_lm_head: bool = True) -> QuantizedFileSummary:
     """Write `loaded` quantized with the scheme to `out` (a new file; the source is never touched)."""
-    quantized, plain = plan_file(loaded, scheme_name)
+    quantized, plain = plan_file(loaded, scheme_name, quantize_lm_head)
     tensors: dict[str, torch.Tensor] = {}
     for name, w in quantized.items():
         if isinstance(w, Int4Weight):
@@ -103,6 +109,7 @@ def save_quantized(loaded: LoadedModel, scheme_name: str, out: Path) -> Quantize
         "tokenizer_options": json.dumps({"bos_token_id": tok.bos_token_id, "eos_token_ids": list(tok.eos_token_ids),
                                          "chat_template": tok.chat_template, "template_tokens": tok.template_tokens}),
         "source": str(loaded.path),
+        "lm_head": "quantized" if quantize_lm_head else "float",
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".partial")

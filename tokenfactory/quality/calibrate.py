@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tokenfactory.models.base import LoadedModel
-from tokenfactory.types import ParameterError
+from tokenfactory.types import MissingExtra, ParameterError
 
 METHODS = ("gptq", "awq")
 RECORD_FILE = "calibration.json"
@@ -44,6 +44,7 @@ class CalibrationSpec:
     num_samples: int = 64
     seed: int = 0
     max_seq_len: int = 512
+    awq_grid: int = 20  # AWQ's scale search: points tried per layer group (llm-compressor's n_grid, its default)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -55,6 +56,8 @@ class CalibrationSpec:
                                  f"{self.group_size}")
         if self.num_samples < 1 or self.max_seq_len < 8:
             raise ParameterError("num_samples", "num_samples must be >= 1 and max_seq_len >= 8")
+        if self.awq_grid < 2:
+            raise ParameterError("awq_grid", f"awq_grid must be >= 2, got {self.awq_grid}")
 
     @property
     def is_symmetric(self) -> bool:
@@ -128,6 +131,22 @@ def split(num: int, num_samples: int, seed: int) -> tuple[list[int], list[int]]:
     return sorted(order[:num_calibration]), sorted(order[num_calibration:])
 
 
+def check_group_size(loaded: LoadedModel, spec: CalibrationSpec) -> None:
+    """Groups must divide every linear layer's inputs (llm-compressor says so only after the export and the
+    model's load): SmolLM2's 576 take groups of 32 or 64, not 128."""
+    if not spec.group_size:
+        return
+    cfg = loaded.config
+    inputs = {"q/k/v/gate/up_proj": cfg.hidden_size, "o_proj": cfg.num_heads * cfg.head_dim,
+              "down_proj": cfg.intermediate_size}
+    for name, k in inputs.items():
+        if k % spec.group_size:
+            fits = [g for g in (32, 64, 128) if all(v % g == 0 for v in inputs.values())]
+            raise ParameterError("group_size", f"group size {spec.group_size} does not divide the {k} inputs of "
+                                 f"{name}; pick {' or '.join(map(str, fits)) or 'one'} (or 0, one scale per "
+                                 f"output channel)")
+
+
 def _recipe(spec: CalibrationSpec) -> object:
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
@@ -147,7 +166,7 @@ def _recipe(spec: CalibrationSpec) -> object:
     # pin memory, and without a device there is no copy to speed up.
     if not torch.accelerator.is_available():
         cache.IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
-    return AWQModifier(config_groups=groups, ignore=["lm_head"])
+    return AWQModifier(config_groups=groups, ignore=["lm_head"], n_grid=spec.awq_grid)
 
 
 def calibrate(loaded: LoadedModel, spec: CalibrationSpec, calibration: Path, out: Path) -> CalibrationRecord:
@@ -158,12 +177,13 @@ def calibrate(loaded: LoadedModel, spec: CalibrationSpec, calibration: Path, out
         from llmcompressor import oneshot
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as e:
-        raise RuntimeError(f"--method {spec.method} needs llm-compressor ({e.name} is missing): "
+        raise MissingExtra(f"--method {spec.method} needs llm-compressor ({e.name} is missing): "
                            f"{INSTALL_HINT}") from None
     import torch
 
     from tokenfactory.models.hf_export import write_hf_folder
 
+    check_group_size(loaded, spec)
     samples = read_calibration(calibration, loaded)
     calibration_ids, heldout_ids = split(len(samples), spec.num_samples, spec.seed)
     recipe = _recipe(spec)  # a bad combination fails before minutes of export

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from tokenfactory.models.base import LoadedModel
     from tokenfactory.quality.eval import Comparison, EvalResult
 
@@ -43,6 +45,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     q.add_argument("--symmetric", action=argparse.BooleanOptionalAction, default=None,
                    help="default: symmetric for GPTQ, asymmetric for AWQ")
     q.add_argument("--max-seq-len", type=int, default=512, help="tokens per calibration sample (truncated)")
+    q.add_argument("--awq-grid", type=int, default=20,
+                   help="AWQ: scales tried per layer group (default 20, llm-compressor's; its time is about "
+                        "proportional, ~an hour for SmolLM2-135M on 2 CPU cores at 20)")
+    q.add_argument("--lm-head", choices=["quantized", "float"], default=None,
+                   help="round to nearest: quantize the LM head too (default), or leave it float as "
+                        "llm-compressor's and GPTQModel's recipes do (--method always leaves it float)")
     q.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
     q.set_defaults(func=quantize_main)
 
@@ -73,6 +81,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("--rtn", default=None, metavar="SCHEME",
                    help="also evaluate the original rounded to nearest with SCHEME (default for a `quantize --method` "
                         "folder: the same bits and group size, e.g. int4-g32)")
+    e.add_argument("--rtn-lm-head", choices=["quantized", "float"], default=None,
+                   help="--rtn's LM head (default: float for a `quantize --method` folder, whose recipe leaves it "
+                        "float, so like is compared with like; else quantized)")
     e.add_argument("--json", action="store_true", help="print the result as JSON")
     e.set_defaults(func=eval_main)
 
@@ -94,10 +105,13 @@ def quantize_main(args: argparse.Namespace) -> int:
     if out.exists() and not args.force:
         raise ValueError(f"output {str(out)!r} exists; pass --force to replace it")
     if args.method is not None:
+        if args.lm_head == "quantized":
+            raise ParameterError("lm_head", "--method leaves the LM head float (llm-compressor's recipes ignore "
+                                 "lm_head); --lm-head quantized is for round to nearest")
         return calibrate_main(args, source, out)
     if out.is_dir():
         raise ValueError(f"output {str(out)!r} is a folder; give a file name such as model.int4.safetensors")
-    summary = save_quantized(load_model(source), args.quantization, out)
+    summary = save_quantized(load_model(source), args.quantization, out, quantize_lm_head=args.lm_head != "float")
     formats: dict[str, int] = {}
     for fmt in summary.name_to_format.values():
         formats[fmt] = formats.get(fmt, 0) + 1
@@ -116,7 +130,8 @@ def calibrate_main(args: argparse.Namespace, source: Path, out: Path) -> int:
     if args.calibration is None:
         raise ParameterError("calibration", f"--method {args.method} needs --calibration FILE (your own prompts)")
     spec = CalibrationSpec(args.method, bits=args.bits, group_size=args.group_size, symmetric=args.symmetric,
-                           num_samples=args.num_samples, seed=args.seed, max_seq_len=args.max_seq_len)
+                           num_samples=args.num_samples, seed=args.seed, max_seq_len=args.max_seq_len,
+                           awq_grid=args.awq_grid)
     if out.exists():
         shutil.rmtree(out) if out.is_dir() else out.unlink()  # --force was given (checked above)
     record = calibrate(load_model(source), spec, Path(args.calibration).expanduser(), out)
@@ -164,7 +179,7 @@ def eval_main(args: argparse.Namespace) -> int:
 
     result = run(args.quantization)
     original = load_model(args.original) if args.original else None
-    rtn = run(args.rtn, model=original or loaded) if args.rtn else None
+    rtn = _round_to_nearest(args, run, original or loaded) if args.rtn else None
     if args.save:
         path = ev.save_baseline(result, directory, args.save)
         _print(args, result, None, f"saved as baseline {args.save!r} ({path})")
@@ -184,6 +199,22 @@ def eval_main(args: argparse.Namespace) -> int:
     return 0 if comparison.passed else 1
 
 
+def _round_to_nearest(args: argparse.Namespace, run: Callable[..., EvalResult], model: LoadedModel) -> EvalResult:
+    """`model` rounded to nearest with --rtn; with its LM head float, through the file `quantize --lm-head float`
+    writes (a temporary one), so the comparison is with what that command serves."""
+    if args.rtn_lm_head != "float":
+        return run(args.rtn, model=model)
+    import dataclasses
+    import tempfile
+
+    from tokenfactory.models.quant_file import load_quantized_file, save_quantized
+
+    with tempfile.TemporaryDirectory(prefix="tokenfactory-rtn-") as tmp:
+        path = save_quantized(model, args.rtn, Path(tmp) / "rtn.safetensors", quantize_lm_head=False).path
+        result = run("auto", model=load_quantized_file(path))
+    return dataclasses.replace(result, model=str(model.path), quantization=f"{args.rtn} (LM head float)")
+
+
 def _calibrated_defaults(args: argparse.Namespace) -> None:
     """A folder `quantize --method` wrote names its source, scheme and held-out prompts: the defaults of
     --original, --rtn and --text (anything given on the command line wins)."""
@@ -198,6 +229,8 @@ def _calibrated_defaults(args: argparse.Namespace) -> None:
         args.original = record.source
     if args.rtn is None:
         args.rtn = spec.rtn_scheme
+    if args.rtn_lm_head is None:
+        args.rtn_lm_head = "float"  # the recipe's ignore=["lm_head"]
     if args.text is None and (folder / HELDOUT_FILE).is_file():  # type: ignore[operator]
         args.text = str(folder / HELDOUT_FILE)  # type: ignore[operator]
 
