@@ -96,8 +96,9 @@ def test_self_int4_greedy_identical(bundled, copy_prompts, plain) -> None:
 
 
 def test_metrics_collector_shows_the_decision(bundled, copy_prompts) -> None:
+    # No machine profile: the metrics do not depend on kernel crossovers, and measuring one took ~45 s here.
     engine = LLMEngine(EngineConfig(dtype="float32", kv_cache_memory=32 << 20, max_model_len=512,
-                                    speculative="ngram"), bundled)
+                                    speculative="ngram", machine_profile="off"), bundled)
     run(engine, copy_prompts[:1], max_tokens=32)
     families = {f.name: f for f in EngineCollector(AsyncEngine(engine), "m").collect()}  # the snapshot, not started
     for name in ("spec_decode_num_drafts", "spec_decode_num_accepted_tokens", "spec_decode_enabled",
