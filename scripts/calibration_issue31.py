@@ -27,6 +27,7 @@ import os
 import platform
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -41,16 +42,13 @@ sys.path.insert(0, str(ROOT))
 from tokenfactory.bench.plain import closed_loop, served_model  # noqa: E402
 
 CALIBRATION = ROOT / "tokenfactory" / "quality" / "data" / "sqlite_api_prose.txt"
-# AWQ's scale search at 10 points, not llm-compressor's 20: its time is about proportional (~an hour at 20 for
-# SmolLM2 on 2 cores).
-AWQ_GRID = "10"
 # (name, quantize arguments)
 METHODS: dict[str, list[str]] = {
     "gptq-w4-g64-sym": ["--method", "gptq", "--group-size", "64", "--symmetric"],
     "gptq-w4-g64-asym": ["--method", "gptq", "--group-size", "64", "--no-symmetric"],
-    "awq-w4-g64-asym": ["--method", "awq", "--group-size", "64", "--awq-grid", AWQ_GRID],
+    "awq-w4-g64-asym": ["--method", "awq", "--group-size", "64"],
     "gptq-w4-g32-asym": ["--method", "gptq", "--group-size", "32", "--no-symmetric"],
-    "awq-w4-g32-asym": ["--method", "awq", "--group-size", "32", "--awq-grid", AWQ_GRID],
+    "awq-w4-g32-asym": ["--method", "awq", "--group-size", "32"],
 }
 RTN = {"rtn-int4-g64-head-float": "int4-g64", "rtn-int4-g32-head-float": "int4-g32"}
 BUNDLED = "bundled-gguf-default"  # `tokenfactory serve` with no flags
@@ -123,13 +121,51 @@ def machine() -> dict[str, Any]:
     return {"cpu": model, "cpu_family": family, "cores": os.cpu_count(), "load_average_at_start": os.getloadavg()}
 
 
+def serve_args(name: str, work: Path) -> list[str]:
+    if name in METHODS:
+        return ["--model", str(work / name)]
+    if name in RTN:
+        return ["--model", str(work / f"{name}.safetensors")]
+    if name == BUNDLED:
+        return []
+    raise SystemExit(f"unknown run {name!r}")
+
+
+def prepare(name: str, entry: dict[str, Any], work: Path, float_dir: Path) -> None:
+    """The folder (or file) of `name`, and for a calibrated one its eval."""
+    if name in METHODS:
+        target = work / name
+        cmd = tf("quantize", str(float_dir), str(target), "--calibration", str(CALIBRATION), "--num-samples",
+                 "50", "--seed", "0", *METHODS[name])
+        if not (target / "calibration.json").is_file():
+            _, seconds = run(cmd, work / f"{name}.quantize.log")
+            entry["quantize"] = {"command": display(cmd), "wall_s": round(seconds, 1),
+                                 "load_average_after": round(os.getloadavg()[0], 2)}
+        ev = tf("eval", "--model", str(target), "--json")
+        out, seconds = run(ev, work / f"{name}.eval.log", ok=(0, 1))  # 1: FAIL, and its JSON says why
+        entry["eval"] = json.loads(out) | {"command": display(ev), "wall_s": round(seconds, 1)}
+    elif name in RTN:
+        target = work / f"{name}.safetensors"
+        cmd = tf("quantize", str(float_dir), str(target), "--quantization", RTN[name], "--lm-head", "float",
+                 "--force")
+        run(cmd, work / f"{name}.quantize.log")
+        entry["quantize"] = {"command": display(cmd)}
+
+
+def median_of(rounds: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(r[key]["output_throughput"] for r in rounds)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", type=Path, required=True, help="folders and logs (kept: a rerun skips what exists)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--only", default=",".join([*METHODS, *RTN, BUNDLED]), help="comma-separated names")
-    p.add_argument("--speed-prompts", type=int, default=3, help="requests per client in each speed run")
+    p.add_argument("--speed-prompts", type=int, default=6, help="requests per client in each speed run")
+    p.add_argument("--speed-rounds", type=int, default=2,
+                   help="each round serves every model once, in the reverse order of the round before")
     p.add_argument("--no-speed", action="store_true")
+    p.add_argument("--speed-only", action="store_true", help="keep the folders and evals already in --out")
     args = p.parse_args()
     work, only = args.work.resolve(), args.only.split(",")
     work.mkdir(parents=True, exist_ok=True)
@@ -140,35 +176,24 @@ def main() -> None:
     if not (float_dir / "config.json").is_file():
         run([sys.executable, "-m", "tokenfactory.models.hf_export", str(float_dir)], work / "export.log")
     for name in only:
-        entry: dict[str, Any] = result["runs"].get(name, {})
-        if name in METHODS:
-            target = work / name
-            cmd = tf("quantize", str(float_dir), str(target), "--calibration", str(CALIBRATION), "--num-samples",
-                     "50", "--seed", "0", *METHODS[name])
-            if not (target / "calibration.json").is_file():
-                _, seconds = run(cmd, work / f"{name}.quantize.log")
-                entry["quantize"] = {"command": display(cmd), "wall_s": round(seconds, 1),
-                                     "load_average_after": round(os.getloadavg()[0], 2)}
-            ev = tf("eval", "--model", str(target), "--json")
-            out, seconds = run(ev, work / f"{name}.eval.log", ok=(0, 1))  # 1: FAIL, and its JSON says why
-            entry["eval"] = json.loads(out) | {"command": display(ev), "wall_s": round(seconds, 1)}
-            serve_args = ["--model", str(target)]
-        elif name in RTN:
-            target = work / f"{name}.safetensors"
-            cmd = tf("quantize", str(float_dir), str(target), "--quantization", RTN[name], "--lm-head", "float",
-                     "--force")
-            run(cmd, work / f"{name}.quantize.log")
-            entry["quantize"] = {"command": display(cmd)}
-            serve_args = ["--model", str(target)]
-        elif name == BUNDLED:
-            serve_args = []
-        else:
-            raise SystemExit(f"unknown run {name!r}")
-        if not args.no_speed:
-            entry["served"] = served_speed(serve_args, work / f"{name}.serve.log", args.speed_prompts)
-        result["runs"][name] = entry
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-        print(f"{name}: done", file=sys.stderr, flush=True)
+        entry = result["runs"].setdefault(name, {})
+        if not args.speed_only:
+            prepare(name, entry, work, float_dir)
+            args.out.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"{name}: prepared", file=sys.stderr, flush=True)
+    if not args.no_speed:
+        for name in only:
+            result["runs"][name]["served_rounds"] = []
+        for i in range(args.speed_rounds):
+            for name in only if i % 2 == 0 else only[::-1]:
+                entry = result["runs"][name]
+                entry["served_rounds"].append(served_speed(serve_args(name, work), work / f"{name}.serve.log",
+                                                           args.speed_prompts))
+                entry["served_median_tok_s"] = {f"{c}_clients": median_of(entry["served_rounds"], f"{c}_clients")
+                                                for c in (1, 8)}
+                entry.pop("served", None)
+                args.out.write_text(json.dumps(result, indent=1) + "\n")
+                print(f"{name}: round {i + 1} served", file=sys.stderr, flush=True)
     result["machine"]["load_average_at_end"] = os.getloadavg()
     args.out.write_text(json.dumps(result, indent=1) + "\n")
 

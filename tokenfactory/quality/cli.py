@@ -46,8 +46,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="default: symmetric for GPTQ, asymmetric for AWQ")
     q.add_argument("--max-seq-len", type=int, default=512, help="tokens per calibration sample (truncated)")
     q.add_argument("--awq-grid", type=int, default=20,
-                   help="AWQ: scales tried per layer group (default 20, llm-compressor's; its time is about "
-                        "proportional, ~an hour for SmolLM2-135M on 2 CPU cores at 20)")
+                   help="AWQ: scales tried per layer group (default 20, llm-compressor's; the search's time is "
+                        "about proportional to it)")
     q.add_argument("--lm-head", choices=["quantized", "float"], default=None,
                    help="round to nearest: quantize the LM head too (default), or leave it float as "
                         "llm-compressor's and GPTQModel's recipes do (--method always leaves it float)")
