@@ -59,7 +59,8 @@ tool() {  # $1: venv, then quant_checkpoints.py's arguments
 make_venv "$OUT/venv-llmcompressor" "llmcompressor==0.14.0.1"
 # tokenfactory itself too, as a user installs the calibrate extra: tests/quality/test_calibrate.py runs
 # `tokenfactory quantize --method gptq|awq` with this venv's python.
-"$OUT/venv-llmcompressor/bin/pip" install -q -e ".[calibrate]" "llmcompressor==0.14.0.1"
+"$OUT/venv-llmcompressor/bin/pip" install -q -e ".[calibrate]" "llmcompressor==0.14.0.1" \
+    || echo "WARNING: tokenfactory did not install into $OUT/venv-llmcompressor; test_calibrate.py's runs skip" >&2
 stage "llm-compressor's virtualenv"
 tool "$OUT/venv-llmcompressor" --tool llmcompressor --only $LLMC
 stage "llm-compressor's checkpoints"
