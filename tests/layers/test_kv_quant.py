@@ -133,6 +133,7 @@ def test_the_quality_gate_on_the_bundled_model(bundled):
     assert abs(result.perplexity_change) < 0.01 and result.passed, result
 
 
+@pytest.mark.slow  # two engines on the bundled model (~9 s): in make test, not the quick loop
 def test_int8_kv_holds_about_twice_the_tokens(bundled):
     from tokenfactory.engine.engine import LLMEngine
 

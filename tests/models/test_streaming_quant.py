@@ -223,6 +223,7 @@ def test_gguf_weights_are_read_when_asked_for(bundled):
     assert torch.equal(first, bundled.weights[name]) and first is not bundled.weights[name]  # not kept
 
 
+@pytest.mark.slow  # a subprocess benchmark run (~9 s): in make test, not the quick loop
 def test_the_memory_benchmark_writes_json(tiny, tmp_path):
     from tokenfactory.bench.memory import main
 
