@@ -1,8 +1,8 @@
 """`tokenfactory quantize --method gptq|awq --calibration FILE` as a user runs it: the samples read and split, bad
 input refused before minutes of work, and the whole command run by a virtualenv with the `calibrate` extra
 (llm-compressor pins its own transformers, so it is not the dev venv: `make quant-fixtures` installs tokenfactory
-into its llm-compressor venv, or TOKENFACTORY_CALIBRATE_PYTHON names one). The folder it writes is then loaded,
-served and evaluated here, in the dev venv.
+into its llm-compressor venv, or TOKENFACTORY_CALIBRATE_PYTHON names one). The folder it writes is then loaded
+and evaluated here, in the dev venv (serving such folders over HTTP: tests/models/test_hf_quant_tools.py).
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def calibrate_python() -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("method", "symmetric"), [("gptq", True), ("awq", False)])
-def test_quantize_calibrated_then_served_and_evaluated(tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture,
+def test_quantize_calibrated_then_loaded_and_evaluated(tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture,
                                                        method: str, symmetric: bool) -> None:
     python = calibrate_python()
     calibration = write_jsonl(tmp_path / "mine.jsonl", [{"text": s} for s in SENTENCES])

@@ -143,7 +143,7 @@ def check_group_size(loaded: LoadedModel, spec: CalibrationSpec) -> None:
         if k % spec.group_size:
             fits = [g for g in (32, 64, 128) if all(v % g == 0 for v in inputs.values())]
             raise ParameterError("group_size", f"group size {spec.group_size} does not divide the {k} inputs of "
-                                 f"{name}; pick {' or '.join(map(str, fits)) or 'one'} (or 0, one scale per "
+                                 f"{name}; pick {' or '.join(map(str, fits)) or 'another size'} (or 0, one scale per "
                                  f"output channel)")
 
 
