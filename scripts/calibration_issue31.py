@@ -26,7 +26,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tokenfactory.bench.compare import free_port  # noqa: E402
 from tokenfactory.bench.plain import closed_loop, served_model  # noqa: E402
 
 CALIBRATION = ROOT / "tokenfactory" / "quality" / "data" / "sqlite_api_prose.txt"
@@ -71,12 +71,6 @@ def run(cmd: list[str], log: Path, ok: tuple[int, ...] = (0,)) -> tuple[str, flo
 
 def display(cmd: list[str]) -> str:
     return " ".join(["tokenfactory", *cmd[3:]] if cmd[2] == "tokenfactory.cli" else ["python", *cmd[1:]])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def served_speed(model_args: list[str], log: Path, prompts: int) -> dict[str, Any]:
