@@ -65,6 +65,11 @@ async def _load(url: str, model: str | None, clients: int, per_client: int, cons
             "energy_source": "+".join(sorted({u.get("energy_source") or "none" for u in usage})),
             "forced_tokens": sum(u.get("forced_tokens") or 0 for u in usage),
             "valid_share": valid_order_share([a["choices"][0]["message"]["content"] for a in answers])
+            if constrained else None,
+            # A constrained answer cut by max_tokens ("length") is a prefix of valid JSON, not valid JSON.
+            "cut_by_max_tokens": sum(a["choices"][0]["finish_reason"] == "length" for a in answers),
+            "valid_share_of_finished": valid_order_share([a["choices"][0]["message"]["content"] for a in answers
+                                                          if a["choices"][0]["finish_reason"] != "length"])
             if constrained else None}
 
 
