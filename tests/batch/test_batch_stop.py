@@ -109,12 +109,15 @@ def test_a_queued_50000_line_job_holds_a_page_not_a_task_per_line(tmp_path: Path
         until(lambda: c.batches.retrieve(batch.id).status == "in_progress", 60, "the 50,000 lines to be stored")
         runner = runner_of(gw)
         loop = runner.tasks[batch.id].get_loop()
+        # "in_progress" is set as the job starts; its first lines then take their slots, one by one (on a loaded
+        # machine that is still under way when the status is read).
+        until(lambda: runner.slots.num_in_flight == 32, 30, "the job's lines to fill the server-wide cap of 32")
 
         async def count() -> int:
             return len(asyncio.all_tasks())
         num_tasks = asyncio.run_coroutine_threadsafe(count(), loop).result(10)
         assert num_tasks < 150  # it was one task per line: 50,000 (~95 MiB of server memory per queued job)
-        assert runner.slots.num_in_flight == 32  # its lines in the engine: the server-wide cap
+        assert runner.slots.num_in_flight == 32  # its lines in the engine: the server-wide cap, and no more
         second = submit(c, lines(10), endpoint="/v1/completions")
         with pytest.raises(openai.RateLimitError) as e:  # a tenant's third running job
             submit(c, lines(10), endpoint="/v1/completions")
