@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import platform
-import signal
 import statistics
 import subprocess
 import sys
@@ -33,12 +32,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tokenfactory.bench.compare import free_port  # noqa: E402
+from tokenfactory.bench.compare import ServerProcess, free_port  # noqa: E402
 from tokenfactory.bench.plain import closed_loop, served_model  # noqa: E402
 
 CALIBRATION = ROOT / "tokenfactory" / "quality" / "data" / "sqlite_api_prose.txt"
@@ -76,21 +73,12 @@ def display(cmd: list[str]) -> str:
 def served_speed(model_args: list[str], log: Path, prompts: int) -> dict[str, Any]:
     port = free_port()
     cmd = tf("serve", "--port", str(port), "--log-level", "warning", *model_args)
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT)  # noqa: SIM115
+    server = ServerProcess("tokenfactory serve", cmd, log)  # from the checkout's root, as this script runs
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"serve exited {proc.returncode}: {log.read_text()[-2000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("serve did not start in 600 s")
-            time.sleep(0.5)
+        problem = server.wait_ready(url, 600)
+        if problem is not None:
+            raise RuntimeError(problem)
         model = served_model(url)
         closed_loop(url, model, [PROMPT] * 2, 16, 2)  # warm-up
         out: dict[str, Any] = {"command": display(cmd)}
@@ -101,11 +89,7 @@ def served_speed(model_args: list[str], log: Path, prompts: int) -> dict[str, An
             out[f"{clients}_clients"] = r | {"load_average_after": round(os.getloadavg()[0], 2)}
         return out
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        server.stop()
 
 
 def machine() -> dict[str, Any]:

@@ -57,6 +57,10 @@ async def _load(url: str, model: str | None, clients: int, per_client: int, cons
         await asyncio.gather(*(client(c, http) for c in range(clients)))
         seconds = time.perf_counter() - start
     usage = [a["usage"] for a in answers]
+    choices = [a["choices"][0] for a in answers]
+    texts = [c["message"]["content"] for c in choices]
+    # A constrained answer cut by max_tokens ("length") is a prefix of valid JSON, not valid JSON.
+    finished = [c["message"]["content"] for c in choices if c["finish_reason"] != "length"]
     tokens = sum(u["completion_tokens"] for u in usage)
     joules = [u.get("energy_joules") for u in usage]
     total_j = None if any(j is None for j in joules) else sum(joules)
@@ -64,15 +68,9 @@ async def _load(url: str, model: str | None, clients: int, per_client: int, cons
             "joules": total_j, "joules_per_token": None if total_j is None else total_j / tokens,
             "energy_source": "+".join(sorted({u.get("energy_source") or "none" for u in usage})),
             "forced_tokens": sum(u.get("forced_tokens") or 0 for u in usage),
-            "valid_share": valid_order_share([a["choices"][0]["message"]["content"] for a in answers])
-            if constrained else None,
-            # A constrained answer cut by max_tokens ("length") is a prefix of valid JSON, not valid JSON.
-            "cut_by_max_tokens": sum(a["choices"][0]["finish_reason"] == "length" for a in answers),
-            "valid_share_of_finished": valid_order_share([a["choices"][0]["message"]["content"] for a in answers
-                                                          if a["choices"][0]["finish_reason"] != "length"])
-            if constrained else None}
-
-
+            "valid_share": valid_order_share(texts) if constrained else None,
+            "cut_by_max_tokens": len(texts) - len(finished),
+            "valid_share_of_finished": valid_order_share(finished) if constrained else None}
 
 
 def _median_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
