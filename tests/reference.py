@@ -293,3 +293,13 @@ def tiny_llama_and_reference(folder: Path) -> tuple[LoadedModel, torch.nn.Module
     """A small random Llama (4 heads, 2 KV heads) written to `folder`, loaded, with its transformers model."""
     loaded = load_model(tiny_random_model_dir(folder, "llama", num_heads=4, num_kv_heads=2))
     return loaded, hf_model_from_loaded(loaded)
+
+
+def kernel_here(torch_kernel: str) -> str:
+    """The packed kernel a CPU layer gets on this machine where torch's `torch_kernel` is the alternative: the
+    int8-activation kernel where the CPU has AVX-512 VNNI (layers/quant.py KERNELS), else torch's."""
+    from tokenfactory.layers.quant import q8act_available
+
+    q8act = {"cpu-int4pack": "cpu-int4-q8act", "cpu-int8pack": "cpu-int8-q8act",
+             "cpu-int8-as-int4-planes": "cpu-int8-q8act"}
+    return q8act.get(torch_kernel, torch_kernel) if q8act_available() else torch_kernel

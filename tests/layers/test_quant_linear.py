@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.reference import tiny_gguf_file, tiny_random_model_dir
-from tokenfactory.layers import cpu_kernels
+from tests.reference import kernel_here, tiny_gguf_file, tiny_random_model_dir
+from tokenfactory.layers import cpu_kernels, quant
 from tokenfactory.layers.attention import AttentionMetadata, PrefillSpan
 from tokenfactory.layers.quant import (
     DequantizeFromPacked,
@@ -65,19 +65,40 @@ WEIGHTS = {
 }
 
 
+@pytest.fixture(params=["torch", "q8act"])
+def kernels(request, monkeypatch) -> str:
+    """Each CPU kernel family: torch's weight-only kernels (every CPU), and the int8-activation ones where this
+    CPU has AVX-512 VNNI (they come first in KERNELS there)."""
+    if request.param == "torch":
+        monkeypatch.setattr(quant, "q8act_available", lambda: False)
+    elif not quant.q8act_available():
+        pytest.skip("this CPU has no AVX-512 VNNI: the int8-activation kernels are not used here")
+    return request.param
+
+
+@pytest.fixture
+def torch_kernels(monkeypatch) -> None:
+    monkeypatch.setattr(quant, "q8act_available", lambda: False)
+
+
 @pytest.mark.parametrize("fmt", list(WEIGHTS))
 @pytest.mark.parametrize("shape", [(96, 128), (40, 256)])  # 40 rows: the int4 kernel pads N to 16s
-def test_packed_and_dense_paths_compute_the_format(fmt, shape) -> None:
+def test_packed_and_dense_paths_compute_the_format(fmt, shape, kernels) -> None:
     torch.manual_seed(0)
     w = WEIGHTS[fmt](*shape)
     layer = build(w)
     assert layer.kernel_name != "none" and layer.max_packed_rows >= 2
+    assert layer.kernel_name.endswith("-q8act") == (kernels == "q8act")
+    # torch's kernels: bf16 output rounding (~2e-3); against int8 activations, their rounding too (~6e-3 on
+    # Gaussian inputs; tests/layers/test_q8act.py holds that kernel to its own arithmetic).
+    packed_tol = 6e-3 if kernels == "torch" else 1.2e-2
     for rows in (1, layer.max_packed_rows, layer.max_packed_rows + 1, 40):
         x = torch.randn(rows, shape[1]).to(torch.bfloat16)
-        ref = x.double() @ (kernel_weight(w) if rows <= layer.max_packed_rows else w.dequantize().double()).T
+        packed = rows <= layer.max_packed_rows
+        ref = x.double() @ (kernel_weight(w) if packed and kernels == "torch" else w.dequantize().double()).T
         y = layer(x)
         assert y.shape == (rows, shape[0]) and y.dtype == torch.bfloat16
-        assert rel_err(y, ref) < 6e-3, (fmt, rows)  # bf16 output rounding is ~2e-3
+        assert rel_err(y, ref) < (packed_tol if packed else 6e-3), (fmt, rows)
 
 
 def test_dispatch_follows_the_row_count() -> None:
@@ -90,7 +111,7 @@ def test_dispatch_follows_the_row_count() -> None:
     assert calls == [1, 3, layer.max_packed_rows]
 
 
-def test_int8_on_the_int4_planes_is_exact_in_codes() -> None:
+def test_int8_on_the_int4_planes_is_exact_in_codes(torch_kernels) -> None:
     """Q8_0-style groups through two int4 planes: same result as the codes times bf16 scales."""
     torch.manual_seed(1)
     w = q8_0_like(64, 128)
@@ -108,14 +129,14 @@ def test_shapes_without_a_kernel_fall_back_to_dense() -> None:
     assert rel_err(layer(x), x.double() @ w.dequantize().double().T) < 6e-3
 
 
-def test_dequantize_on_the_fly_matches_the_copy() -> None:
+def test_dequantize_on_the_fly_matches_the_copy(kernels) -> None:
     for w in (quantize_int4(torch.randn(48, 128), 32), quantize_int8(torch.randn(48, 128)), q8_0_like(48, 128)):
         copy, fly = build(w, "copy"), build(w, "on-the-fly")
         assert fly.max_packed_rows > copy.max_packed_rows  # dequantizing per call moves the crossover up
         x = torch.randn(64, 128).to(torch.bfloat16)
         assert rel_err(fly(x), copy(x).double()) < 6e-3
         assert not any(b.dtype == torch.bfloat16 and b.shape == (48, 128) for b in fly.dense.buffers())
-        if fly.packed is not None and fly.kernel_name != "cpu-int8pack":  # int4 kernels: their codes only
+        if fly.packed is not None and fly.kernel_name != "cpu-int8pack":  # packed kernels: their codes only
             assert sum(b.numel() * b.element_size() for b in fly.buffers()) == packed_bytes(fly)
 
 
@@ -124,7 +145,7 @@ def packed_bytes(layer: QuantizedLinear) -> int:
 
 
 @pytest.mark.parametrize("n", [64, 80, 100, 960])  # full blocks of 64 rows, a partial last block, padding
-def test_on_the_fly_reads_the_int4_kernels_own_codes(n, monkeypatch) -> None:
+def test_on_the_fly_reads_the_int4_kernels_own_codes(n, monkeypatch, torch_kernels) -> None:
     # One layout: on-the-fly dequantizes from the packed kernel's buffers and keeps nothing of its own, and
     # the weight it gives is the very one the kernel multiplies by (the kernel against an identity matrix).
     torch.manual_seed(n)
@@ -139,7 +160,7 @@ def test_on_the_fly_reads_the_int4_kernels_own_codes(n, monkeypatch) -> None:
     assert torch.equal(layer._dense_fn(), by_kernel)
 
 
-def test_on_the_fly_q8_0_planes_keep_one_copy(monkeypatch) -> None:
+def test_on_the_fly_q8_0_planes_keep_one_copy(monkeypatch, torch_kernels) -> None:
     torch.manual_seed(3)
     w = q8_0_like(48, 128)
     layer = build(w, "on-the-fly")
@@ -175,7 +196,8 @@ def test_moving_the_module_rebinds_the_fast_path() -> None:
     layer = build(quantize_int8(torch.randn(32, 64)), bias=bias)
     layer._apply(lambda t: t.clone())  # what .to(device) runs through: new tensors everywhere
     assert layer.bias is not bias and layer._bias is layer.bias
-    layer.packed.q.zero_()  # the new buffer: the packed path must now read zeros
+    for buffer in layer.packed.buffers():  # the new buffers: the packed path must now read zeros
+        buffer.zero_()
     assert torch.equal(layer(torch.randn(1, 64).to(torch.bfloat16))[0], layer.bias)
 
 
@@ -230,7 +252,9 @@ def test_auto_keeps_the_gguf_blocks(tiny_q4_1) -> None:
     dense_bytes = decode_weight_bytes(model)
     summary = apply_quantization(model, "auto", raw_gguf=tiny_q4_1.raw_gguf, dtype=torch.bfloat16, device=CPU)
     assert summary.num_quantized_layers == 4 * tiny_q4_1.config.num_layers + 1
-    assert all(f.startswith("int4-g32 via cpu-int4pack") for f in summary.path_to_format.values())
+    for path, fmt in summary.path_to_format.items():  # the int8-activation kernels take K in 64s (not 96)
+        k = model.get_submodule(path).in_features
+        assert fmt.startswith(f"int4-g32 via {kernel_here('cpu-int4pack') if k % 64 == 0 else 'cpu-int4pack'}")
     # The exact codes: the fused q/k/v layer holds the three GGUF tensors' codes, rows in HF order.
     sources = source_weights(tiny_q4_1.raw_gguf, None)
     dense = model.layers[1].qkv_proj.dense.weight()

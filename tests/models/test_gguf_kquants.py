@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from tests.reference import tiny_gguf_file
+from tests.reference import kernel_here, tiny_gguf_file
 from tokenfactory.config import EngineConfig
 from tokenfactory.engine.engine import LLMEngine
 from tokenfactory.engine.placement import planned_weight_bytes
@@ -54,7 +54,8 @@ def test_a_q4_k_file_keeps_its_codes_on_the_int4_kernel(kquant):
         # Every decoder linear layer: the file's own codes and scales, on the packed int4 kernel.
         assert engine.quant_summary.num_quantized_layers >= 4 * loaded.config.num_layers
         # (The crossover is what the machine profile measured for each shape: engine/tuning.py.)
-        assert all(re.fullmatch(r"int4-g32 via cpu-int4pack \(packed for <= \d+ rows\)", f) for f in formats), formats
+        int4 = kernel_here("cpu-int4pack")
+        assert all(re.fullmatch(rf"int4-g32 via {int4} \(packed for <= \d+ rows\)", f) for f in formats), formats
     elif type_name == "Q6_K":
         # Exact int8 groups of 16 have no packed CPU kernel (torch's int4 planes need groups of 32+): dense path.
         assert formats and all(f.startswith("int8-g16 via none") for f in formats), formats
@@ -89,7 +90,12 @@ def test_the_packed_kernels_error_on_k_quants_is_bf16_rounding(kquant, dense):
         return ((y.double() - want).norm() / want.norm()).item()
 
     bf16_matmul = rel(x @ exact.to(torch.bfloat16).T)
-    assert rel(layer._packed_fn(x)) < 1.5 * bf16_matmul + 1e-3
+    if layer.kernel_name.endswith("-q8act"):
+        # Against int8 activations (where the CPU has AVX-512 VNNI): their rounding instead, measured 0.58% here;
+        # tests/layers/test_q8act.py holds that kernel to its own arithmetic.
+        assert rel(layer._packed_fn(x)) < 0.01
+    else:
+        assert rel(layer._packed_fn(x)) < 1.5 * bf16_matmul + 1e-3
     assert rel(torch.nn.functional.linear(x.repeat(9, 1), layer._dense_fn())[:4]) < 1.5 * bf16_matmul + 1e-3
 
 
@@ -107,7 +113,7 @@ def test_a_fused_layer_of_mixed_k_quants_becomes_int8_not_dense(tmp_path):
     engine = LLMEngine(EngineConfig(quantization="auto", dtype="float32", kv_cache_memory=4 << 20,
                                     max_model_len=128), mixed)
     formats = engine.quant_summary.path_to_format
-    assert formats["layers.0.qkv_proj"].startswith("int8 via cpu-int8pack")
+    assert formats["layers.0.qkv_proj"].startswith(f"int8 via {kernel_here('cpu-int8pack')}")
     assert formats["layers.0.o_proj"].startswith("int4-g32")  # unmixed layers keep their exact codes
     qkv = engine.runner.model.layers[0].qkv_proj
     got = qkv.dense.weight().float()  # (q + k + v rows, hidden): the int8 weight, dequantized

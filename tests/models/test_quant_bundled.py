@@ -1,11 +1,12 @@
 """The real bundled model (SmolLM2-135M-Instruct, Q4_1 with a Q8_0 embedding): "auto" keeps the file's
-blocks (int4 layers, the tied head on the exact Q8_0 planes), prefill under "auto" is the unquantized model
+blocks (int4 layers, the tied head's exact Q8_0 codes), prefill under "auto" is the unquantized model
 bit for bit, and the requantized schemes cost what they should in perplexity and greedy agreement."""
 
 from __future__ import annotations
 
 import pytest
 
+from tests.reference import kernel_here
 from tokenfactory.layers.quant import QuantizedLinear, decode_weight_bytes
 from tokenfactory.quality import eval as ev
 from tokenfactory.quality.texts import bundled_prompts, bundled_text
@@ -30,8 +31,8 @@ def runs(bundled) -> dict[str, tuple[float, list[list[int]], int]]:
             model = engine.runner.model
             formats = {p: f.split(" (")[0] for p, f in summary.path_to_format.items()}
             assert len(formats) == 4 * 30 + 1
-            assert formats["lm_head"] == "int8-g32 via cpu-int8-as-int4-planes"
-            assert {f for p, f in formats.items() if p != "lm_head"} == {"int4-g32 via cpu-int4pack"}
+            assert formats["lm_head"] == f"int8-g32 via {kernel_here('cpu-int8-as-int4-planes')}"
+            assert {f for p, f in formats.items() if p != "lm_head"} == {f"int4-g32 via {kernel_here('cpu-int4pack')}"}
             assert isinstance(model.lm_head, QuantizedLinear)
             assert model.lm_head.dense.weight().data_ptr() == model.embed_tokens.weight.data_ptr()  # shared
     return out

@@ -184,3 +184,10 @@ def int4pack_dequantize_kernel() -> Callable[..., torch.Tensor] | None:
     bf16 from torch's CPU int4 pack (layout in csrc/cpu_kernels.cpp), or None."""
     module = _load()
     return None if module is None else module.int4pack_dequantize_t
+
+
+def q8act_kernel() -> Callable[..., torch.Tensor] | None:
+    """`f(x (M, K), codes, scales, mins, q4) -> (M, N)`: quantized weights against int8-quantized activations
+    (csrc/cpu_kernels.cpp q8act_linear), or None where its AVX-512 VNNI fast path was not compiled."""
+    module = _load()
+    return module.q8act_linear if module is not None and module.q8act_fast_path() else None

@@ -4,7 +4,7 @@ tests/models/test_streaming_quant.py) and the planner's engine figures (`tokenfa
 
     packed   the kernel's own buffers (layers/quant.py KERNELS), what a decode step reads
     copy     + the dequantized weight in the model's dtype, for large steps
-    on-the-fly, from the packed buffer (CPU int4 kernels)   + nothing
+    on-the-fly, from the packed buffer (CPU packed kernels)    + nothing
     on-the-fly, codes apart (CUDA, int8 per channel, no kernel)   + the codes and scales in the model's dtype
     act-order (a checkpoint's g_idx)                              + the input order, int64 per input
 
@@ -14,17 +14,37 @@ the engine itself asks `pick_kernel`, which also knows whether this torch has th
 
 from __future__ import annotations
 
+import functools
+
 INT4_KERNEL_GROUPS = (32, 64, 128, 256)
-# On-the-fly dequantizes these kernels' own buffers when their layout is recognised (layers/quant.py
-# int4pack_layout; every layout of torch 2.13's CPU pack is).
-READS_PACKED = ("cpu-int4pack", "cpu-int8-as-int4-planes", "cpu-int5-as-int4-planes", "cpu-uint8-as-int4-planes")
+# On-the-fly dequantizes these kernels' own buffers: torch's CPU pack's when its layout is recognised
+# (layers/quant.py int4pack_layout; every layout of torch 2.13's is), the int8-activation kernels' always.
+READS_PACKED = ("cpu-int4pack", "cpu-int8-as-int4-planes", "cpu-int5-as-int4-planes", "cpu-uint8-as-int4-planes",
+                "cpu-int4-q8act", "cpu-int8-q8act")
 INPUT_ORDER_BYTES = 8  # QuantizedLinear.input_order: int64 per input
+
+
+Q8ACT_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")  # csrc/cpu_kernels.cpp TF_Q8ACT_VNNI
+
+
+@functools.cache
+def cpu_has_q8act() -> bool:
+    """Whether this CPU runs the int8-activation kernels' fast path (a -march=native build compiles it exactly
+    when the CPU has these flags)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return all(flag in flags for flag in Q8ACT_FLAGS)
 
 
 def kernel_for(fmt: str, n: int, k: int, group: int, device_type: str) -> str | None:
     """The packed kernel KERNELS picks for an `fmt` ("int8", "int4", "int5", "uint8") weight of (n, k) in groups of
     `group` (k: per channel), or None (dense only)."""
     if device_type == "cpu":
+        if fmt in ("int4", "int8") and group % 32 == 0 and k % 64 == 0 and cpu_has_q8act():
+            return f"cpu-{fmt}-q8act"
         if fmt == "int8" and group == k and k % 16 == 0:
             return "cpu-int8pack"
         if group in INT4_KERNEL_GROUPS:
@@ -45,6 +65,8 @@ def packed_bytes(kernel: str, n: int, k: int, group: int) -> int:
             "cpu-int8-as-int4-planes": padded * k + 2 * groups * padded * 4,  # two int4 planes along 2K
             "cpu-int5-as-int4-planes": padded * k + 2 * groups * padded * 4,
             "cpu-uint8-as-int4-planes": padded * k + 2 * groups * padded * 4,
+            "cpu-int4-q8act": n * k // 2 + 2 * n * (k // 32) * 2,  # two codes a byte, fp16 scale and min per 32
+            "cpu-int8-q8act": n * k + n * (k // 32) * 2,  # a code a byte, fp16 scale per 32
             "cuda-int4pack": n * k // 2 + groups * n * 4}[kernel]
 
 
