@@ -412,6 +412,13 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor w
   return out;
 }
 
+// x / (1 + exp(-x)) in place over n floats, one glibc expf at a time: a compiler-vectorized expf (libmvec, under
+// -ffast-math) differs from PyTorch's in the last bit of a few bf16 results in 10^4, and the scalar expf has
+// matched it (tests/layers/test_fused_ops.py).
+__attribute__((optimize("no-tree-vectorize"))) void silu_inplace(float* act, int64_t n) {
+  for (int64_t c = 0; c < n; ++c) act[c] = act[c] / (1.f + std::exp(-act[c]));
+}
+
 // gate_up (T, 2I) -> silu(gate) * up (T, I), SiLU in float32 rounded, then the product rounded (as F.silu, *).
 torch::Tensor silu_mul(torch::Tensor gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
@@ -421,12 +428,21 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
     const scalar_t* gu = gate_up.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows * inner, 4096, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t r = i / inner, c = i % inner;
-        const float g = to_float(gu[r * 2 * inner + c]);
-        const scalar_t act = static_cast<scalar_t>(g / (1.f + std::exp(-g)));
-        o[i] = static_cast<scalar_t>(to_float(act) * to_float(gu[r * 2 * inner + inner + c]));
+    // Row by row in contiguous runs (the conversions vectorize; no integer division per element): a decode row of
+    // 1536 took 16 us, now 9 (1 thread, AMD EPYC Zen 4); 64 rows 463 us, now 238.
+    at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / std::max<int64_t>(inner, 1)), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const scalar_t* g = gu + r * 2 * inner;
+        const scalar_t* u = g + inner;
+        scalar_t* out_row = o + r * inner;
+        alignas(64) float act[256];
+        for (int64_t c0 = 0; c0 < inner; c0 += 256) {
+          const int64_t n = std::min<int64_t>(256, inner - c0);
+          for (int64_t c = 0; c < n; ++c) act[c] = to_float(g[c0 + c]);
+          silu_inplace(act, n);
+          for (int64_t c = 0; c < n; ++c)
+            out_row[c0 + c] = static_cast<scalar_t>(to_float(static_cast<scalar_t>(act[c])) * to_float(u[c0 + c]));
+        }
       }
     });
   });
