@@ -64,7 +64,11 @@ async def run_bench(spec: BenchSpec, requests: Sequence[BenchRequest], warmup: S
     import httpx
 
     timeout = httpx.Timeout(spec.load.request_timeout_s, connect=10.0)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    # A new connection per request, as the plain generator (plain.py) opens: llama-server (cpp-httplib) closes a
+    # kept-alive connection now and then with no response to the request just sent on it ("disconnected without
+    # sending a response": 1 in 8 requests at one client in some runs, the figure then "partial"); a loopback
+    # connect costs ~0.1 ms, inside TTFT for every engine alike.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
         info = await probe_target(client, spec.target.base_url, spec.target.api_key)
         if info.error_kind:
