@@ -93,6 +93,25 @@ def test_n_shares_prompt_blocks_and_differs(engine) -> None:
     assert engine.kv.num_prefix_hits > hits_before and out2.num_cached_tokens > 0
 
 
+def test_greedy_is_the_same_on_a_prefix_cache_hit_and_beside_a_decoding_sequence(engine) -> None:
+    # After a hit only the prompt's last few tokens run, and beside another sequence they share a step with its
+    # decode rows: by the row count alone they would take a packed kernel (int8 activations, or bfloat16 scales)
+    # where the whole prompt took the dense path. Prompt rows always take the exact path (quant.step_rows), so
+    # the same prompt gives the same greedy answer every time. (A chat prompt of ~40 tokens: 2 full blocks.)
+    prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Name a colour."}])
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    engine.kv.reset_prefix_cache()
+    cold = generate(engine, prompt, params)
+    warm = generate(engine, prompt, params)
+    assert cold.num_cached_tokens == 0 and warm.num_cached_tokens >= 32
+    other = engine.add_request(list(range(500, 560)), SamplingParams(max_tokens=40, ignore_eos=True))
+    for _ in range(3):
+        engine.step()  # its prefill, then decode steps
+    rid = engine.add_request(prompt, params)
+    beside = engine.run_to_completion([rid, other])[rid]
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids == beside.outputs[0].token_ids
+
+
 def test_n_siblings_reuse_the_leaders_blocks(bundled) -> None:
     engine = LLMEngine(EngineConfig(kv_cache_memory=64 << 20, max_model_len=1024), bundled)
     prompt = list(range(1000, 1100))  # 100 tokens: 6 full blocks

@@ -191,6 +191,22 @@ def test_the_int4_pack_layout_is_probed_per_build(capability) -> None:
     assert out.returncode == 0, out.stderr
 
 
+def test_prompt_rows_of_a_step_take_the_exact_path() -> None:
+    # quant.step_rows: in a step of 2 decode rows and 3 prompt rows, the decode rows take the packed kernel and the
+    # prompt rows the dense weight, each as they would alone; a step of prompt rows only is dense however small.
+    torch.manual_seed(5)
+    w = quantize_int4(torch.randn(64, 128), 32)
+    layer = build(w)
+    x = torch.randn(5, 128).to(torch.bfloat16)
+    packed, dense = layer._packed_fn(x[:2]), torch.nn.functional.linear(x[2:], layer._dense_fn())
+    with quant.step_rows(2):
+        mixed = layer(x)
+    assert torch.equal(mixed[:2], packed) and torch.equal(mixed[2:], dense)
+    with quant.step_rows(0):
+        assert torch.equal(layer(x[:3]), torch.nn.functional.linear(x[:3], layer._dense_fn()))
+    assert torch.equal(layer(x[:2]), packed)  # outside a step: by the row count
+
+
 def test_moving_the_module_rebinds_the_fast_path() -> None:
     bias = torch.randn(32).to(torch.bfloat16)
     layer = build(quantize_int8(torch.randn(32, 64)), bias=bias)

@@ -25,7 +25,7 @@ from tokenfactory.engine.sequence import Draft, Sequence
 from tokenfactory.layers.attention import AttentionMetadata, PrefillSpan
 from tokenfactory.layers.cpu_kernels import paged_decode_kernel
 from tokenfactory.layers.kv_quant import SCALE_DTYPE, KVFormat
-from tokenfactory.layers.quant import QuantOptions, QuantSummary
+from tokenfactory.layers.quant import QuantOptions, QuantSummary, step_rows
 from tokenfactory.layers.quant_formats import RawGGUFTensors
 from tokenfactory.layers.rotary import Rotary
 from tokenfactory.models.llama import LlamaForCausalLM
@@ -235,7 +235,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, inputs: ModelInputs) -> StepResult:
         self._choose_threads(inputs.input_ids.shape[0])
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)  # (T, h)
+        hidden = self._forward(inputs)  # (T, h)
         result = StepResult([])
         if inputs.sampling is not None:
             logits = self.model.compute_logits(hidden[inputs.sample_rows])  # (S, V)
@@ -300,12 +300,19 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=0, decode_block_tables=None,
                                  decode_seq_lens=None, prefills=(PrefillSpan(0, n, 0, blocks),))
         ids = torch.tensor(token_ids, device=self.device)
-        hidden = self.model(ids, positions, self.kv_caches, meta)  # (n, h)
+        with step_rows(0):  # prompt rows only
+            hidden = self.model(ids, positions, self.kv_caches, meta)  # (n, h)
         logprobs = self.model.compute_logits(hidden[:-1]).float().log_softmax(-1)  # (n - 1, V)
         return logprobs.gather(1, ids[1:, None])[:, 0].tolist()
 
     @torch.inference_mode()
     def logits(self, inputs: ModelInputs) -> torch.Tensor:
         """Run the step and return the logits (S, V) of its sampling rows without sampling (draft models)."""
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)  # (T, h)
+        hidden = self._forward(inputs)  # (T, h)
         return self.model.compute_logits(hidden[inputs.sample_rows])
+
+    def _forward(self, inputs: ModelInputs) -> torch.Tensor:
+        """The model over the step's flat batch, its prompt rows on the quantized layers' exact path (quant.step_rows);
+        the LM head after it sees one row a sequence, decode or not."""
+        with step_rows(inputs.meta.num_decode_tokens):
+            return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)

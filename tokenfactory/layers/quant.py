@@ -29,7 +29,9 @@ dispatches between them change together; the formats, the file and the CLI live 
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -681,6 +683,24 @@ def dense_path_for(w: QuantizedWeight, kernel: Kernel | None, dense: str, old: t
 # The module that replaces nn.Linear
 
 
+_STEP = threading.local()  # .decode_rows: the running step's decode section (prompt rows follow), or None
+
+
+@contextlib.contextmanager
+def step_rows(num_decode_rows: int) -> Iterator[None]:
+    """Within a model step whose first `num_decode_rows` rows are decode rows and the rest prompt rows (the engine's
+    flat batch): prompt rows always take the dense path, on the exact weights, however few they are. Then a
+    prompt's tokens compute the same whether it is prefilled whole or, after a prefix-cache hit, only its last
+    few (which by the row count alone would take a packed kernel, whose rounding differs: bfloat16 scales, or the
+    int8 activations'), and the same beside other sequences' decode rows as alone."""
+    previous = getattr(_STEP, "decode_rows", None)
+    _STEP.decode_rows = num_decode_rows
+    try:
+        yield
+    finally:
+        _STEP.decode_rows = previous
+
+
 class QuantizedLinear(nn.Module):
     """y = x @ W^T (+ b) for a quantized W: packed kernel for small steps, dense matmul for large ones. An
     act-order weight (`Reordered`) gathers its input first, x[:, input_order], for both paths."""
@@ -731,8 +751,14 @@ class QuantizedLinear(nn.Module):
             return self.forward(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
         if self._order is not None:
             x = x.index_select(1, self._order)
-        if x.shape[0] > self.max_packed_rows:
+        rows, decode_rows = x.shape[0], getattr(_STEP, "decode_rows", None)
+        if rows > self.max_packed_rows or decode_rows == 0:
             return F.linear(x, self._dense_fn(), self._bias)
+        if decode_rows is not None and decode_rows < rows:  # decode rows packed, the prompt rows after them dense
+            return torch.cat([self._packed(x[:decode_rows]), F.linear(x[decode_rows:], self._dense_fn(), self._bias)])
+        return self._packed(x)
+
+    def _packed(self, x: torch.Tensor) -> torch.Tensor:
         y = self._packed_fn(x.contiguous() if x.dtype == torch.bfloat16 else _bf16(x))  # type: ignore[misc]
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
