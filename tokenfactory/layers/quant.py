@@ -57,6 +57,7 @@ from tokenfactory.layers.quant_formats import (
     quantize_int8,
     unpack_nibbles,
 )
+from tokenfactory.layers.weight_bytes import READS_PACKED
 from tokenfactory.types import ParameterError
 
 # ---------------------------------------------------------------------------------------------------
@@ -663,11 +664,10 @@ DENSE_PATHS: dict[str, type[DenseCopy] | type[DequantizeOnTheFly]] = {
 
 def reads_packed(kernel: Kernel | None, num_out: int) -> bool:
     """Whether on-the-fly dequantizes from this kernel's own buffers (no second copy of the codes)."""
-    if kernel is not None and kernel.name in Q8ACT_KERNELS:
-        return True
-    return kernel is not None and kernel.name in ("cpu-int4pack", "cpu-int8-as-int4-planes",
-                                                  "cpu-int5-as-int4-planes", "cpu-uint8-as-int4-planes") and \
-        int4pack_layout(num_out + -num_out % 16) is not None
+    # weight_bytes.READS_PACKED names them (the accounting's list); torch's pack only in a layout we can read.
+    if kernel is None or kernel.name not in READS_PACKED:
+        return False
+    return kernel.name in Q8ACT_KERNELS or int4pack_layout(num_out + -num_out % 16) is not None
 
 
 def dense_path_for(w: QuantizedWeight, kernel: Kernel | None, dense: str, old: torch.Tensor, dtype: torch.dtype,
