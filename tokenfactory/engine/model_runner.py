@@ -10,6 +10,7 @@ shares (engine/pooling.py); a prompt-only sequence's last chunk samples nothing.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -28,10 +29,13 @@ from tokenfactory.layers.kv_quant import SCALE_DTYPE, KVFormat
 from tokenfactory.layers.quant import QuantOptions, QuantSummary, step_rows
 from tokenfactory.layers.quant_formats import RawGGUFTensors
 from tokenfactory.layers.rotary import Rotary
-from tokenfactory.models.llama import LlamaForCausalLM
+from tokenfactory.models.llama import DecodePlan, LlamaForCausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+
+# TOKENFACTORY_FUSED_DECODE=0: decode steps through the model's Python forward (for comparison; same outputs).
+FUSED_DECODE = os.environ.get("TOKENFACTORY_FUSED_DECODE", "1") != "0"
 
 # Prompt logprobs take the logits of every scored row: at most this many rows' (rows, V) float32 at a time.
 PROMPT_LOGPROB_ROWS = 256
@@ -125,6 +129,7 @@ class ModelRunner:
         if device.type == "cpu":
             paged_decode_kernel()  # build (or load) it now, at start-up, not in the first step
         self.kv_caches: list[tuple[torch.Tensor, ...]] = []
+        self.decode_plan: DecodePlan | None = None
         if num_blocks is not None and max_model_len is not None:
             self.allocate_kv_cache(num_blocks, max_model_len)
 
@@ -134,6 +139,8 @@ class ModelRunner:
         self.model.rotary = Rotary(self.cfg, max_model_len).to(self.device)
         shape = (self.cfg.num_kv_heads, num_blocks, self.block_size, self.cfg.head_dim)
         self.kv_caches = allocate_kv_pool(shape, self.cfg.num_layers, self.kv_format, self.device)
+        # A decode-only step's layers in one compiled call, where the model's layers allow it (llama.py).
+        self.decode_plan = self.model.decode_plan(self.kv_caches) if FUSED_DECODE else None
 
     def _choose_threads(self, num_tokens: int) -> None:
         """One CPU thread for steps of a few tokens, all of them for bigger steps (when configured). When
@@ -314,5 +321,8 @@ class ModelRunner:
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         """The model over the step's flat batch, its prompt rows on the quantized layers' exact path (quant.step_rows);
         the LM head after it sees one row a sequence, decode or not."""
+        plan = self.decode_plan
+        if plan is not None and plan.fits(inputs.meta, inputs.input_ids.shape[0]):
+            return plan(inputs.input_ids, inputs.positions, inputs.meta)
         with step_rows(inputs.meta.num_decode_tokens):
             return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)

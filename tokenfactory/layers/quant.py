@@ -779,6 +779,27 @@ class QuantizedLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, {self.describe()}"
 
 
+# What a fused decode step (models/llama.py `DecodePlan`) calls for one linear layer:
+# (kind: 0 dense, 1 int8-activation int4, 2 int8-activation int8; weight or codes; scales; mins; bias; most rows).
+PlanLinear = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]
+
+
+def plan_linear(module: nn.Module, dtype: torch.dtype) -> PlanLinear | None:
+    """How the compiled decode step runs this layer exactly as its `forward` would for a decode section of at most
+    the returned rows (a dense layer: any number), or None where it cannot (another packed kernel, a gathered
+    input). Absent tensors are empty (numel 0)."""
+    none = torch.empty(0, dtype=dtype)
+    if type(module) is nn.Linear:
+        return 0, module.weight, none, none, none if module.bias is None else module.bias, 1 << 30
+    if not isinstance(module, QuantizedLinear) or module.input_order is not None:
+        return None
+    bias = none if module.bias is None else module.bias
+    if isinstance(module.packed, Int4GroupQ8CPU | Int8GroupQ8CPU) and dtype == torch.bfloat16:
+        kind = 1 if isinstance(module.packed, Int4GroupQ8CPU) else 2
+        return kind, module.packed.codes, module.packed.scales, module.packed.mins, bias, module.max_packed_rows
+    return None
+
+
 def decode_weight_bytes(model: nn.Module) -> int:
     """Weight bytes one decode step of one token reads: every linear layer (packed where quantized) and the
     norms; the embedding only if it doubles as a dense LM head (a lookup reads one row)."""

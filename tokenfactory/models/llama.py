@@ -17,7 +17,9 @@ from torch import nn
 from tokenfactory.config import ModelConfig
 from tokenfactory.layers.activation import silu_mul
 from tokenfactory.layers.attention import AttentionMetadata, paged_attention_qkv
+from tokenfactory.layers.cpu_kernels import fused_kernels
 from tokenfactory.layers.norm import add_rms_norm, rms_norm
+from tokenfactory.layers.quant import plan_linear
 from tokenfactory.layers.rotary import RopeBatch, Rotary
 
 
@@ -84,6 +86,35 @@ class LlamaForCausalLM(nn.Module):
         """hidden (S, h) of the rows that sample -> logits (S, V) in float32."""
         return self.lm_head(self.final_norm(hidden)).float()
 
+    def decode_plan(self, kv_caches: list[tuple[torch.Tensor, ...]]) -> DecodePlan | None:
+        """The decoder layers of a decode-only step as one compiled call over these caches (`DecodePlan`), or None
+        where it cannot run them exactly as `forward` does: not the CPU, not bfloat16, a quantized KV cache, a
+        linear layer on a kernel it does not call, or no compiled kernels."""
+        kernels = fused_kernels()
+        dtype = self.embed_tokens.weight.dtype
+        if kernels is None or self.embed_tokens.weight.device.type != "cpu" or dtype != torch.bfloat16 \
+                or any(len(kv) != 2 or kv[0].dtype != dtype for kv in kv_caches):
+            return None
+        tensors: list[torch.Tensor] = []
+        kinds: list[int] = []
+        max_rows = 1 << 30
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            tensors += [layer.input_norm, layer.post_norm, k_cache, v_cache]
+            for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+                spec = plan_linear(proj, dtype)
+                if spec is None:
+                    return None
+                kinds.append(spec[0])
+                tensors += spec[1:5]
+                max_rows = min(max_rows, spec[5])
+        if max_rows < 1:
+            return None
+        c = self.cfg
+        plan = kernels.DecodePlan([t.detach() for t in tensors], kinds,
+                                  [layer.window or 0 for layer in self.layers], c.num_heads, c.num_kv_heads,
+                                  c.head_dim ** -0.5, c.rms_norm_eps)
+        return DecodePlan(self, plan, max_rows)
+
     @torch.no_grad()
     def load_hf_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Copy weights named as in Hugging Face checkpoints, fusing q/k/v and gate/up."""
@@ -125,6 +156,29 @@ class LlamaForCausalLM(nn.Module):
         m = p + "mlp."
         layer.gate_up_proj.weight.copy_(torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]))
         layer.down_proj.weight.copy_(take(m + "down_proj.weight"))
+
+
+class DecodePlan:
+    """A decode-only step (every row a decode row, at most `max_rows` of them) as one compiled call for all the
+    decoder layers (csrc/cpu_kernels.cpp `DecodePlan`): the kernels `forward` calls, in its order, with its
+    rounding, so the outputs are the same bits; without ~10 Python-level calls a layer. It holds the model's
+    tensors and the KV caches it was built over: build a new one when either is replaced."""
+
+    def __init__(self, model: LlamaForCausalLM, plan: object, max_rows: int) -> None:
+        self.model, self.plan, self.max_rows = model, plan, max_rows
+
+    def fits(self, meta: AttentionMetadata, num_rows: int) -> bool:
+        return not meta.prefills and meta.num_decode_tokens == num_rows <= self.max_rows
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions (T,) -> hidden states (T, h), before the final norm, as `forward` returns them."""
+        tables, lens, starts = meta.decode_block_tables, meta.decode_seq_lens, meta.decode_query_start
+        assert tables is not None and lens is not None
+        if starts is None:
+            starts = torch.arange(lens.shape[0] + 1)
+        rotary = self.model.rotary
+        return self.plan.run(self.model.embed_tokens(input_ids), positions, rotary.cos, rotary.sin,  # type: ignore[attr-defined]
+                             meta.slot_mapping, tables, lens, starts)
 
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {

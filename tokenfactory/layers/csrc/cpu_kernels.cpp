@@ -760,6 +760,77 @@ torch::Tensor q8act_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor s
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// A whole decode step's decoder layers in one call (models/llama.py `DecodePlan`): the same kernels, in the same
+// order, with the same rounding as the model's Python forward, which made ~10 Python-level calls a layer (a
+// module call, an argument check, a dispatch each: ~2 ms of a ~10 ms single-stream token on 2 cores). Built once
+// over the model's tensors; each step passes only what changes (the tokens' embeddings, positions and the
+// attention metadata). A linear layer is dense (at::linear on its weight and bias) or an int8-activation kernel's
+// codes (q8act_linear, int4 or int8), bias added after it as QuantizedLinear adds it.
+
+struct PlanLinear {
+  int64_t kind;  // 0 dense, 1 q8act int4, 2 q8act int8
+  torch::Tensor w, scales, mins, bias;  // dense: w (N, K); q8act: w the codes. bias: numel 0 for none
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    if (kind == 0) return at::linear(x, w, bias.numel() ? c10::optional<torch::Tensor>(bias) : c10::nullopt);
+    auto y = q8act_linear(x.is_contiguous() ? x : x.contiguous(), w, scales, mins, kind == 1, true);
+    return bias.numel() ? y + bias : y;
+  }
+};
+
+struct PlanLayer {
+  torch::Tensor input_norm, post_norm, k_cache, v_cache;
+  PlanLinear qkv, o, gate_up, down;
+  int64_t window;
+};
+
+class DecodePlan {
+ public:
+  // Per layer, 20 tensors: input_norm, post_norm, k_cache, v_cache, then (w, scales, mins, bias) of qkv, o,
+  // gate_up and down; `kinds` 4 per layer, `windows` one (0: full attention).
+  DecodePlan(const std::vector<torch::Tensor>& tensors, const std::vector<int64_t>& kinds,
+             const std::vector<int64_t>& windows, int64_t num_heads, int64_t num_kv_heads, double scale, double eps)
+      : nh_(num_heads), nkv_(num_kv_heads), scale_(scale), eps_(eps) {
+    const size_t n = windows.size();
+    TORCH_CHECK(tensors.size() == 20 * n && kinds.size() == 4 * n, "DecodePlan: 20 tensors and 4 kinds a layer");
+    for (size_t i = 0; i < n; ++i) {
+      const torch::Tensor* t = tensors.data() + 20 * i;
+      auto linear = [&](int j) {
+        const int64_t kind = kinds[4 * i + j];
+        TORCH_CHECK(kind >= 0 && kind <= 2, "DecodePlan: a linear layer is dense (0) or q8act int4/int8 (1/2)");
+        return PlanLinear{kind, t[4 + 4 * j], t[5 + 4 * j], t[6 + 4 * j], t[7 + 4 * j]};
+      };
+      layers_.push_back(PlanLayer{t[0], t[1], t[2], t[3], linear(0), linear(1), linear(2), linear(3),
+                                  windows[i]});
+    }
+  }
+
+  // x (T, h): the tokens' embeddings, updated in place as the residual stream -> the hidden states before the
+  // final norm. Every row a decode row (no prefill span).
+  torch::Tensor run(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                    torch::Tensor slots, torch::Tensor block_tables, torch::Tensor seq_lens,
+                    torch::Tensor query_start) const {
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "DecodePlan.run: x must be contiguous (T, h)");
+    torch::Tensor delta;
+    for (const PlanLayer& l : layers_) {
+      auto hidden = delta.defined() ? add_rms_norm(x, delta, l.input_norm, eps_) : rms_norm(x, l.input_norm, eps_);
+      auto attn = rope_decode_attention(l.qkv(hidden).contiguous(), positions, cos, sin, l.k_cache, l.v_cache,
+                                        slots, block_tables, seq_lens, query_start, nh_, nkv_, scale_, l.window);
+      hidden = add_rms_norm(x, l.o(attn).contiguous(), l.post_norm, eps_);
+      delta = l.down(silu_mul(l.gate_up(hidden).contiguous()));
+    }
+    return delta.defined() ? x + delta : x;
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  std::vector<PlanLayer> layers_;
+  int64_t nh_, nkv_;
+  double scale_, eps_;
+};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Release the GIL like PyTorch's own ops: the server's event loop runs while the engine thread computes.
   m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
@@ -777,4 +848,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8act_linear", &q8act_linear, py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("mins"),
         py::arg("q4"), py::arg("fast") = true, py::call_guard<py::gil_scoped_release>());
   m.def("q8act_fast_path", &q8act_fast_path);
+  py::class_<DecodePlan>(m, "DecodePlan")
+      .def(py::init<const std::vector<torch::Tensor>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
+                    int64_t, int64_t, double, double>())
+      .def("run", &DecodePlan::run, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("num_layers", &DecodePlan::num_layers);
 }

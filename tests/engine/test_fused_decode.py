@@ -1,0 +1,98 @@
+"""The compiled decode step (models/llama.py DecodePlan) against the model's Python forward: the same bits for
+every decode step, on tiny random-weight models (dense, int4 and int8 weights, q/k/v biases)
+and on the real bundled model as served by default."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.reference import tiny_random_model_dir
+from tokenfactory.config import EngineConfig
+from tokenfactory.engine.engine import LLMEngine
+from tokenfactory.layers.quant import q8act_available, step_rows
+from tokenfactory.models.llama import DecodePlan
+from tokenfactory.models.loader import load_model
+from tokenfactory.types import SamplingParams
+
+
+class Checked:
+    """Wraps a runner's plan: each step it runs, the Python forward runs too (it writes the same K/V again) and
+    must give the same hidden states, bit for bit."""
+
+    def __init__(self, plan: DecodePlan) -> None:
+        self.plan, self.max_rows, self.steps, self.rows = plan, plan.max_rows, 0, set()
+
+    def fits(self, meta, num_rows: int) -> bool:
+        return self.plan.fits(meta, num_rows)
+
+    def __call__(self, input_ids, positions, meta) -> torch.Tensor:
+        fused = self.plan(input_ids, positions, meta)
+        model = self.plan.model
+        with step_rows(meta.num_decode_tokens):
+            python = model(input_ids, positions, model_kv(model), meta)
+        assert torch.equal(fused, python), (fused - python).abs().max()
+        self.steps += 1
+        self.rows.add(input_ids.shape[0])
+        return fused
+
+
+_KV: dict[int, list] = {}
+
+
+def model_kv(model) -> list:
+    return _KV[id(model)]
+
+
+def run_checked(engine: LLMEngine, prompts: list[list[int]], max_tokens: int = 10) -> Checked:
+    runner = engine.runner
+    assert runner.decode_plan is not None, "the plan applies to this model"
+    checked = Checked(runner.decode_plan)
+    _KV[id(runner.model)] = runner.kv_caches
+    runner.decode_plan = checked  # type: ignore[assignment]
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=max_tokens, ignore_eos=True)
+    try:
+        outs = engine.run_to_completion([engine.add_request(p, params) for p in prompts])
+    finally:
+        runner.decode_plan = checked.plan
+    assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs.values())
+    return checked
+
+
+def prompts(n: int, seed: int = 1) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 40, (n,), generator=gen).tolist()
+    return [torch.randint(0, 49152, (k,), generator=gen).tolist() for k in lengths]
+
+
+@pytest.mark.parametrize(("arch", "quantization"), [("llama", "none"), ("qwen2", "none"), ("llama", "int4"),
+                                                    ("qwen2", "int8")])
+def test_fused_decode_step_is_the_python_forward_bit_for_bit(tmp_path, arch, quantization) -> None:
+    if quantization != "none" and not q8act_available():
+        pytest.skip("the int8-activation kernels need AVX-512 VNNI; other packed kernels keep the Python step")
+    folder = tiny_random_model_dir(tmp_path, arch, hidden_size=128, intermediate_size=256, num_heads=4,
+                                   num_kv_heads=2, attention_bias=None)
+    engine = LLMEngine(EngineConfig(dtype="bfloat16", block_size=8, kv_cache_memory=8 << 20, max_model_len=256,
+                                    quantization=quantization, machine_profile="off"), load_model(folder))
+    checked = run_checked(engine, prompts(5))
+    assert checked.steps >= 9 and max(checked.rows) > 1  # batched decode steps took the plan
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_no_plan_where_it_cannot_match_the_forward(tmp_path) -> None:
+    folder = tiny_random_model_dir(tmp_path, "llama", hidden_size=128, intermediate_size=256)
+    for cfg in (dict(dtype="float32"), dict(dtype="bfloat16", kv_cache_dtype="int8")):
+        engine = LLMEngine(EngineConfig(block_size=8, kv_cache_memory=8 << 20, max_model_len=256,
+                                        quantization="none", machine_profile="off", **cfg), load_model(folder))
+        assert engine.runner.decode_plan is None, cfg
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        rid = engine.add_request([1, 2, 3], params)
+        assert len(engine.run_to_completion([rid])[rid].outputs[0].token_ids) == 4
+
+
+def test_bundled_model_decodes_through_the_plan_as_served(bundled) -> None:
+    """The bundled GGUF with the server's defaults (its own quantization, bfloat16): one stream and a batch."""
+    engine = LLMEngine(EngineConfig(kv_cache_memory=64 << 20, max_model_len=512, machine_profile="off"), bundled)
+    checked = run_checked(engine, prompts(1, seed=4), max_tokens=16)
+    checked = run_checked(engine, prompts(6, seed=5), max_tokens=8)
+    assert checked.steps >= 7 and max(checked.rows) == 6
