@@ -18,7 +18,12 @@ from tokenfactory.service.admission import Admission, Credit
 from tokenfactory.tenants.store import Budget, Tenant
 from tokenfactory.types import CompletionOutput, RequestOutput
 
-T0 = dt.datetime.now(dt.UTC).replace(tzinfo=None, microsecond=0) - dt.timedelta(minutes=10)
+# Noon yesterday (UTC): every attempt's row (T0 up to T0 + 9 minutes) falls in one day and one month whenever the
+# test runs; the budget's day is read on a wall clock stopped at T0 + 10 minutes (NOW), not the real one, which
+# put the rows in yesterday's period when the suite ran just past midnight.
+T0 = (dt.datetime.now(dt.UTC).replace(tzinfo=None, hour=12, minute=0, second=0, microsecond=0)
+      - dt.timedelta(days=1))
+NOW = T0 + dt.timedelta(minutes=10)
 
 
 def attempt(status: str, minutes: int, completion_tokens: int, request_id: str = "batch_x-l7") -> LedgerRow:
@@ -94,7 +99,7 @@ def test_the_budget_spend_drops_the_superseded_attempt(tmp_path) -> None:
     ledger = Ledger.open(tmp_path)
     ledger.record(attempt("aborted", 0, 400))  # the previous process's cut-off attempt: 410 tokens spent
     tenant = Tenant("acme", budget=Budget.parse("5000 tokens/day"))
-    admission = Admission(ledger)
+    admission = Admission(ledger, wall=lambda: NOW)
     admission.prime(tenant)
     assert admission.budget_status(tenant).spent == 410
     reservation = admission.admit(tenant, worst_tokens=2000)
