@@ -124,8 +124,12 @@ def test_text_logprobs_and_stop_strings_equal_the_engines(client, config) -> Non
         got = out.outputs[0]
         assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, want.finish_reason)
         assert out.prompt_token_ids == PROMPTS[2]
-        assert [[(lp.token_id, round(lp.logprob, 4)) for lp in e] for e in got.logprobs or []] == \
-            [[(lp.token_id, round(lp.logprob, 4)) for lp in e] for e in want.logprobs or []]
+        # Token ids exact; logprobs to float32's batch noise: here both requests may share steps, where the
+        # engine's reference ran each alone, and a matmul of 2 rows rounds ~1e-5 apart from one of 1.
+        assert [[lp.token_id for lp in e] for e in got.logprobs or []] == \
+            [[lp.token_id for lp in e] for e in want.logprobs or []]
+        assert [lp.logprob for e in got.logprobs or [] for lp in e] == \
+            pytest.approx([lp.logprob for e in want.logprobs or [] for lp in e], abs=1e-3)
     assert expected[1].finish_reason == "stop"
 
 
