@@ -61,11 +61,14 @@ def test_one_endpoint_over_local_replicas_and_an_external_server(fleet, backend)
     # One at a time, so every replica decodes its request alone: with the machine profile's crossovers a step of
     # 5+ sequences may take the dense path where a lone one takes the packed kernel, and greedy answers differ
     # by that rounding between batch sizes (as in any engine that is not batch-invariant). Idle replicas tie,
-    # and least-work sends ties round: each of the three serves three.
+    # and least-work sends ties round: each of the three serves three, the first cold, the next two on a prefix
+    # hit, which runs the prompt's last tokens through a smaller bfloat16 matmul (on CPUs whose GEMM blocks by
+    # the row count, a near-tie can flip: tests/engine/test_engine.py). Alike in their cache, alike in answer.
     answers = [client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=12,
         temperature=0).choices[0].message.content for _ in range(9)]
-    assert len(set(answers)) == 1 and answers[0]  # greedy: the same answer whichever replica served it
+    assert answers[0]
+    assert len(set(answers[:3])) == 1 and len(set(answers[3:])) == 1, answers  # whichever replica served it
     rows = ledger(fleet)
     assert {r["replica"] for r in rows} == {"p0", "p1", "b0"}
     backend_rows = [r for r in rows if r["replica"] == "b0"]
