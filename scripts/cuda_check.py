@@ -4,8 +4,9 @@ A random-weight model with the bundled SmolLM2-135M's shapes runs the same greed
 float32 and on CUDA in float32 and bfloat16, and int4 on both (CUDA's tinygemm kernel against the CPU's).
 For each, the position of the first greedy token that differs from the CPU's (32: none); the check passes
 when CUDA float32 matches the CPU on all 32 tokens of every prompt. Then decode speed on CUDA at batch 1
-and 32. Memory (#18): for none/int8/int4 weights (int4 with and without its dense copy), the peak CUDA
-memory while the engine is placed and the memory it keeps, against `planned_weight_bytes` (what the start-up
+and 32, and the decode step through CUDA graphs against eager (tokens, speed, start-up, memory; issue 29).
+Memory (#18): for none/int8/int4 weights (int4 with and without its dense copy), the peak CUDA memory while the
+engine is placed and the memory it keeps, against `planned_weight_bytes` (what the start-up
 check counts) plus the KV pool; the default KV budget measured after the weights landed; an int8 KV cache and
 a sliding window on CUDA (PyTorch path) against the CPU (kernel). Prints one JSON object (and writes it to
 $OUT/cuda_check.json when OUT is set).
@@ -106,7 +107,7 @@ def memory_accounting(loaded: LoadedModel) -> dict[str, object]:
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         config = EngineConfig(device="cuda", dtype="bfloat16", quantization=scheme, quantization_dense=dense,
-                              kv_cache_memory=64 << 20, max_model_len=1024)
+                              kv_cache_memory=64 << 20, max_model_len=1024, decode_step="eager")
         engine = LLMEngine(config, loaded)
         kept, peak = torch.cuda.memory_allocated() - before, torch.cuda.max_memory_allocated() - before
         planned = planned_weight_bytes(loaded, config, engine.device, engine.dtype)
@@ -119,7 +120,7 @@ def memory_accounting(loaded: LoadedModel) -> dict[str, object]:
         del engine
     torch.cuda.empty_cache()
     free_before = torch.cuda.mem_get_info()[0]
-    engine = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", max_model_len=1024), loaded)
+    engine = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", max_model_len=1024, decode_step="eager"), loaded)
     weights = engine.weight_bytes
     out["default_kv_budget"] = {"free_before_bytes": free_before, "weight_bytes": weights,
                                 "kv_bytes": engine.capacity.total_bytes,
@@ -134,7 +135,8 @@ def kv_and_window(loaded: LoadedModel, prompts: list[list[int]]) -> dict[str, ob
 
     windowed = LoadedModel(dataclasses.replace(SMOLLM2_135M, sliding_window=64), loaded.weights, loaded.tokenizer,
                            loaded.path, loaded.format)
-    base = dict(dtype="float32", kv_cache_memory=256 << 20, max_model_len=1024, max_num_batched_tokens=256)
+    base = dict(dtype="float32", kv_cache_memory=256 << 20, max_model_len=1024, max_num_batched_tokens=256,
+                decode_step="eager")
     out: dict[str, object] = {}
     for name, model, kv in (("int8_kv", loaded, "int8"), ("window_64", windowed, "auto"),
                             ("window_64_int8_kv", windowed, "int8")):
@@ -146,11 +148,39 @@ def kv_and_window(loaded: LoadedModel, prompts: list[list[int]]) -> dict[str, ob
     return out
 
 
+def compiled_decode(loaded: LoadedModel, prompts: list[list[int]]) -> dict[str, object]:
+    """The decode step through torch.compile's CUDA graphs (engine/compiled_decode.py) against the eager forward:
+    greedy tokens (float32: equal; bfloat16 and int4 may part at a near-tie, as batch sizes do), decode speed at
+    batch 1 and 32, the start-up (compile and record every row bucket), the graphs' memory, the buckets used."""
+    out: dict[str, object] = {}
+    base = dict(device="cuda", kv_cache_memory=256 << 20, max_model_len=1024, max_num_batched_tokens=256)
+    for name, extra in (("float32", dict(dtype="float32")), ("bfloat16", dict(dtype="bfloat16")),
+                        ("int4", dict(dtype="bfloat16", quantization="int4"))):
+        eager = LLMEngine(EngineConfig(decode_step="eager", **base, **extra), loaded)  # type: ignore[arg-type]
+        eager_tokens, _ = run(eager, prompts, 32)
+        eager_speed = {"batch1": decode_speed(eager, 1), "batch32": decode_speed(eager, 32)}
+        del eager
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        start = time.perf_counter()
+        graphs = LLMEngine(EngineConfig(decode_step="cuda-graphs", **base, **extra), loaded)  # type: ignore[arg-type]
+        startup_s = time.perf_counter() - start
+        graph_tokens, _ = run(graphs, prompts, 32)
+        out[name] = {"tokens_equal_to_eager_until": equal_until(eager_tokens, graph_tokens),
+                     "startup_s": startup_s, "kept_bytes": torch.cuda.memory_allocated() - before,
+                     "decode_tok_s_eager": eager_speed,
+                     "decode_tok_s_graphs": {"batch1": decode_speed(graphs, 1), "batch32": decode_speed(graphs, 32)},
+                     "buckets_used": sorted(graphs.runner.decode_step.bucket_to_steps),  # type: ignore[union-attr]
+                     "free_blocks_back": graphs.kv.num_free_blocks == graphs.kv.num_blocks}
+        del graphs
+    return out
+
+
 def main() -> None:
     loaded = LoadedModel(SMOLLM2_135M, random_weights(SMOLLM2_135M), ByteTokenizer(), Path("random"), "random")  # type: ignore[arg-type]
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (5, 40, 130, 300)]
-    base = dict(kv_cache_memory=256 << 20, max_model_len=1024, max_num_batched_tokens=256)
+    base = dict(kv_cache_memory=256 << 20, max_model_len=1024, max_num_batched_tokens=256, decode_step="eager")
     cpu = LLMEngine(EngineConfig(device="cpu", dtype="float32", **base), loaded)
     cpu_tokens, _ = run(cpu, prompts, 32)
     report: dict[str, object] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
@@ -169,9 +199,12 @@ def main() -> None:
     report["int4"] = {"tokens_equal_to_cpu_int4_until": equal_until(cpu4_tokens, gpu4_tokens),
                       "kernels": sorted({m.describe() for m in gpu4.runner.model.modules() if hasattr(m, "describe")}),
                       "decode_tok_s_batch1": decode_speed(gpu4, 1), "decode_tok_s_batch32": decode_speed(gpu4, 32)}
+    report["compiled_decode"] = compiled_decode(loaded, prompts)
     report["memory"] = memory_accounting(loaded)
     report["kv_and_window"] = kv_and_window(loaded, prompts)
-    report["pass"] = all(n == 32 for n in report["float32"]["tokens_equal_to_cpu_until"])  # type: ignore[index]
+    report["pass"] = (all(n == 32 for n in report["float32"]["tokens_equal_to_cpu_until"])  # type: ignore[index]
+                      and all(n == 32 for n in report["compiled_decode"]["float32"]  # type: ignore[index]
+                              ["tokens_equal_to_eager_until"]))
     text = json.dumps(report, indent=2)
     print(text)
     if os.environ.get("OUT"):

@@ -12,6 +12,7 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 # The KV cache's storage formats (layers/kv_quant.py): the model's own dtype, or one byte a value with a float16
 # scale per KV head and token beside it.
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+DECODE_STEPS = ("auto", "eager", "cuda-graphs", "trace")  # EngineConfig.decode_step (engine/compiled_decode.py)
 KV_SCALE_BYTES = 2  # float16 (layers/kv_quant.py SCALE_DTYPE)
 
 
@@ -153,6 +154,10 @@ class EngineConfig:
     # Embeddings' pooling of the hidden states: "auto" (the model's own setting, from a sentence-transformers
     # folder or GGUF metadata, else the last token), "last" or "mean" (tokenfactory.engine.pooling, validated there).
     pooling: str = "auto"
+    # How a decode-only step runs (engine/compiled_decode.py): "auto" (on the CPU the fused C++ step, models/llama.py
+    # DecodePlan; on CUDA torch.compile's CUDA graphs), "eager" (the model's Python forward every step, as vLLM's
+    # --enforce-eager), "cuda-graphs", or "trace" (Dynamo's trace alone, no code generated: the CPU tests' check).
+    decode_step: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -182,6 +187,11 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ParameterError("kv_cache_dtype",
                                  f"kv_cache_dtype must be auto, int8 or fp8, got {self.kv_cache_dtype!r}")
+        if self.decode_step not in DECODE_STEPS:
+            raise ParameterError("decode_step", f"decode_step must be one of {', '.join(DECODE_STEPS)}, got "
+                                                f"{self.decode_step!r}")
+        if self.decode_step == "cuda-graphs" and not self.device.startswith("cuda"):
+            raise ParameterError("decode_step", f"decode_step cuda-graphs needs a CUDA device, got {self.device!r}")
         mem = self.kv_cache_memory
         if isinstance(mem, float) and not 0.0 < mem <= 1.0:
             raise ParameterError("kv_cache_memory",

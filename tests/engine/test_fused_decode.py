@@ -46,15 +46,15 @@ def model_kv(model) -> list:
 
 def run_checked(engine: LLMEngine, prompts: list[list[int]], max_tokens: int = 10) -> Checked:
     runner = engine.runner
-    assert runner.decode_plan is not None, "the plan applies to this model"
-    checked = Checked(runner.decode_plan)
+    assert runner.decode_step is not None, "the plan applies to this model"
+    checked = Checked(runner.decode_step)
     _KV[id(runner.model)] = runner.kv_caches
-    runner.decode_plan = checked  # type: ignore[assignment]
+    runner.decode_step = checked  # type: ignore[assignment]
     params = SamplingParams(temperature=0.8, seed=3, max_tokens=max_tokens, ignore_eos=True)
     try:
         outs = engine.run_to_completion([engine.add_request(p, params) for p in prompts])
     finally:
-        runner.decode_plan = checked.plan
+        runner.decode_step = checked.plan
     assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs.values())
     return checked
 
@@ -81,10 +81,11 @@ def test_fused_decode_step_is_the_python_forward_bit_for_bit(tmp_path, arch, qua
 
 def test_no_plan_where_it_cannot_match_the_forward(tmp_path) -> None:
     folder = tiny_random_model_dir(tmp_path, "llama", hidden_size=128, intermediate_size=256)
-    for cfg in (dict(dtype="float32"), dict(dtype="bfloat16", kv_cache_dtype="int8")):
+    for cfg in (dict(dtype="float32"), dict(dtype="bfloat16", kv_cache_dtype="int8"),
+                dict(dtype="bfloat16", decode_step="eager")):
         engine = LLMEngine(EngineConfig(block_size=8, kv_cache_memory=8 << 20, max_model_len=256,
                                         quantization="none", machine_profile="off", **cfg), load_model(folder))
-        assert engine.runner.decode_plan is None, cfg
+        assert engine.runner.decode_step is None, cfg
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         rid = engine.add_request([1, 2, 3], params)
         assert len(engine.run_to_completion([rid])[rid].outputs[0].token_ids) == 4

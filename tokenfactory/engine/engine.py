@@ -112,7 +112,8 @@ class LLMEngine:
                                   quant_options=QuantOptions(dense=config.quantization_dense),
                                   single_thread_step_tokens=config.single_thread_step_tokens,
                                   machine_profile=config.machine_profile,
-                                  kv_cache_dtype=config.kv_cache_dtype)
+                                  kv_cache_dtype=config.kv_cache_dtype, decode_step=config.decode_step,
+                                  max_num_seqs=config.max_num_seqs)
         # Sized once the weights are placed: a default budget is a share of what is free after them.
         self.capacity: KVCapacity = plan_kv_cache(loaded.config, config, self.device, self.dtype)
         self.max_model_len = self.capacity.max_model_len

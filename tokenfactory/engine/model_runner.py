@@ -10,14 +10,15 @@ shares (engine/pooling.py); a prompt-only sequence's last chunk samples nothing.
 
 from __future__ import annotations
 
-import os
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from tokenfactory.config import ModelConfig
-from tokenfactory.engine import tuning
+from tokenfactory.engine import compiled_decode, tuning
 from tokenfactory.engine.placement import place_model
 from tokenfactory.engine.pooling import POOLERS
 from tokenfactory.engine.sampler import SampledToken, Sampler, SamplingBatch
@@ -29,16 +30,24 @@ from tokenfactory.layers.kv_quant import SCALE_DTYPE, KVFormat
 from tokenfactory.layers.quant import QuantOptions, QuantSummary, step_rows
 from tokenfactory.layers.quant_formats import RawGGUFTensors
 from tokenfactory.layers.rotary import Rotary
-from tokenfactory.models.llama import DecodePlan, LlamaForCausalLM
+from tokenfactory.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-# TOKENFACTORY_FUSED_DECODE=0: decode steps through the model's Python forward (for comparison; same outputs).
-FUSED_DECODE = os.environ.get("TOKENFACTORY_FUSED_DECODE", "1") != "0"
-
 # Prompt logprobs take the logits of every scored row: at most this many rows' (rows, V) float32 at a time.
 PROMPT_LOGPROB_ROWS = 256
+
+
+class DecodeStep(Protocol):
+    """A decode-only step run another way than the model's Python forward, with the same outputs: the CPU's fused
+    C++ step (models/llama.py DecodePlan) or torch.compile's (engine/compiled_decode.py CompiledDecode)."""
+
+    def fits(self, meta: AttentionMetadata, num_rows: int) -> bool: ...
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -101,9 +110,10 @@ class ModelRunner:
                  sampler: Sampler, quantization: str = "none", raw_gguf: RawGGUFTensors | None = None,
                  quantized: dict | None = None, quant_options: QuantOptions | None = None,
                  single_thread_step_tokens: int | None = 0, kv_cache_dtype: str = "auto",
-                 machine_profile: str = "off") -> None:
+                 machine_profile: str = "off", decode_step: str = "eager", max_num_seqs: int = 64) -> None:
         """`num_blocks`/`max_model_len` None: the caller sizes the KV cache once the weights are placed (what
-        is free then is what the cache may take) and calls `allocate_kv_cache`."""
+        is free then is what the cache may take) and calls `allocate_kv_cache`. `decode_step`: EngineConfig's
+        (engine/compiled_decode.py); a compiled step's buckets go up to `max_num_seqs` rows."""
         self.cfg = model_config
         self.device, self.dtype = device, dtype
         self.block_size = block_size
@@ -129,7 +139,9 @@ class ModelRunner:
         if device.type == "cpu":
             paged_decode_kernel()  # build (or load) it now, at start-up, not in the first step
         self.kv_caches: list[tuple[torch.Tensor, ...]] = []
-        self.decode_plan: DecodePlan | None = None
+        self.decode_step_kind, self.max_num_seqs = compiled_decode.resolve(decode_step, device), max_num_seqs
+        self.decode_step_by_default = decode_step == "auto"
+        self.decode_step: DecodeStep | None = None
         if num_blocks is not None and max_model_len is not None:
             self.allocate_kv_cache(num_blocks, max_model_len)
 
@@ -137,10 +149,33 @@ class ModelRunner:
         """The KV pool (in the KV format) and the RoPE tables for positions up to max_model_len."""
         # RoPE tables stay float32 whatever the model's dtype (as the reference computes them).
         self.model.rotary = Rotary(self.cfg, max_model_len).to(self.device)
-        shape = (self.cfg.num_kv_heads, num_blocks, self.block_size, self.cfg.head_dim)
+        spec = compiled_decode.DECODE_STEPS.get(self.decode_step_kind)
+        # A compiled step's padding rows write to a scratch block past the block manager's pool (compiled_decode.py).
+        pool_blocks = num_blocks + (spec is not None)
+        shape = (self.cfg.num_kv_heads, pool_blocks, self.block_size, self.cfg.head_dim)
         self.kv_caches = allocate_kv_pool(shape, self.cfg.num_layers, self.kv_format, self.device)
-        # A decode-only step's layers in one compiled call, where the model's layers allow it (llama.py).
-        self.decode_plan = self.model.decode_plan(self.kv_caches) if FUSED_DECODE else None
+        if self.decode_step_kind == "plan":  # the layers in one C++ call, where the model's layers allow it
+            self.decode_step = self.model.decode_plan(self.kv_caches)
+        elif spec is not None:
+            self.decode_step = self._compiled_step(spec, num_blocks, max_model_len)
+
+    def _compiled_step(self, spec: compiled_decode.CompileSpec, scratch_block: int,
+                       max_model_len: int) -> compiled_decode.CompiledDecode | None:
+        """torch.compile's step, compiled (and its graphs recorded) now. Chosen by default ("auto" on CUDA), a
+        failure is a warning and the eager forward; asked for by name, it is the start-up's error."""
+        compiled = compiled_decode.CompiledDecode(
+            self.model, self.kv_caches, spec=spec, scratch_block=scratch_block, block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs, max_blocks=-(-max_model_len // self.block_size))
+        try:
+            compiled.warm_up()
+        except Exception as e:  # noqa: BLE001 - whatever the compiler raised, the eager forward still works
+            if not self.decode_step_by_default:
+                raise
+            logger.warning("decode steps run eagerly: torch.compile of the decode step failed (%s: %s); "
+                           "--decode-step eager skips the attempt", type(e).__name__,
+                           (str(e).strip().splitlines() or [""])[0])
+            return None
+        return compiled
 
     def _choose_threads(self, num_tokens: int) -> None:
         """One CPU thread for steps of a few tokens, all of them for bigger steps (when configured). When
@@ -321,8 +356,8 @@ class ModelRunner:
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         """The model over the step's flat batch, its prompt rows on the quantized layers' exact path (quant.step_rows);
         the LM head after it sees one row a sequence, decode or not."""
-        plan = self.decode_plan
-        if plan is not None and plan.fits(inputs.meta, inputs.input_ids.shape[0]):
-            return plan(inputs.input_ids, inputs.positions, inputs.meta)
+        step = self.decode_step
+        if step is not None and step.fits(inputs.meta, inputs.input_ids.shape[0]):
+            return step(inputs.input_ids, inputs.positions, inputs.meta)
         with step_rows(inputs.meta.num_decode_tokens):
             return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)

@@ -60,6 +60,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pooling", default=engine_default("pooling"), choices=["auto", "last", "mean"],
                    help="/v1/embeddings' pooling of the final hidden states: auto (the model's own setting, from its "
                         "sentence-transformers folder or GGUF metadata, else the last token), last or mean")
+    p.add_argument("--decode-step", default=engine_default("decode_step"), choices=["auto", "eager", "cuda-graphs"],
+                   help="how a decode-only step runs: auto (on the CPU the decoder layers in one fused C++ call; on "
+                        "CUDA torch.compile's CUDA graphs, one per batch-size bucket, compiled at start-up), eager "
+                        "(the model's Python forward every step, as vLLM's --enforce-eager), or cuda-graphs")
     p.add_argument("--scheduling-policy", default=None,
                    help="waiting-queue order: fcfs, vtc (priority bands + weighted fair share in tokens) or "
                         "vtc-joules (the same, counted in measured joules); default vtc with --auth (the "
@@ -81,7 +85,8 @@ def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201 - EngineC
                         single_thread_step_tokens=getattr(args, "single_thread_step_tokens", None),
                         machine_profile=getattr(args, "machine_profile", "auto"),
                         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
-                        pooling=getattr(args, "pooling", "auto"), scheduling_policy=scheduling_policy(args))
+                        pooling=getattr(args, "pooling", "auto"), scheduling_policy=scheduling_policy(args),
+                        decode_step=getattr(args, "decode_step", "auto"))
 
 
 def dense_path(flag: str) -> str:
