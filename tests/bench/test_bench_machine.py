@@ -13,6 +13,7 @@ import pytest
 
 from tokenfactory.bench import publish
 from tokenfactory.bench.machine import SCHEMA, goals, parse_levels
+from tokenfactory.bench.offline import roofline_bandwidth
 from tokenfactory.types import ParameterError
 
 
@@ -75,6 +76,15 @@ def repo(tmp_path: Path) -> Path:
 
 def run_publish(root: Path, *files: Path, check: bool = False) -> int:
     return publish.main(argparse.Namespace(files=[str(f) for f in files], check=check, root=str(root)))
+
+
+def test_the_roofline_is_the_faster_of_memory_and_the_working_set() -> None:
+    # A 4 MiB working set is read from cache, faster than any memory; against a memory figure no cache beats, memory.
+    slow = roofline_bandwidth(0.001, 4 << 20)
+    assert slow["peak_bandwidth_gbs"] == slow["working_set_bandwidth_gbs"] > 0.001 == slow["dram_bandwidth_gbs"]
+    assert slow["working_set_bytes"] == 4 << 20 and "4 MiB one decode token reads" in slow["peak_bandwidth_source"]
+    fast = roofline_bandwidth(1e6, 4 << 20)
+    assert fast["peak_bandwidth_gbs"] == 1e6 > fast["working_set_bandwidth_gbs"]
 
 
 def test_publish_keeps_the_json_and_writes_the_blocks(repo, tmp_path) -> None:
@@ -149,5 +159,7 @@ def test_bench_machine_on_the_bundled_model(tmp_path) -> None:
     check = ours["harness_check"]  # the plain generator at one client, on the same server
     assert check["plain"]["completed"] == 2 and check["plain_tok_s"] > 0 and check["ratio"] > 0
     assert data["offline"]["mbu"] > 0 and data["offline"]["peak_bandwidth_gbs"] > 0 and "mbu" in data["goals"]
+    offline = data["offline"]  # the roofline is the faster of memory's bandwidth and the working set's
+    assert offline["peak_bandwidth_gbs"] == max(offline["dram_bandwidth_gbs"], offline["working_set_bandwidth_gbs"])
     single = data["goals"]["served_single_stream"]
     assert single["offline_decode_tok_s"] == data["offline"]["single_stream_decode_tok_s"]
