@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tokenfactory.bench import publish
-from tokenfactory.bench.machine import SCHEMA, goals, parse_levels
+from tokenfactory.bench.machine import SCHEMA, engine_version, goals, parse_levels
 from tokenfactory.bench.offline import roofline_bandwidth
 from tokenfactory.types import ParameterError
 
@@ -85,6 +85,16 @@ def test_the_roofline_is_the_faster_of_memory_and_the_working_set() -> None:
     assert slow["working_set_bytes"] == 4 << 20 and "4 MiB one decode token reads" in slow["peak_bandwidth_source"]
     fast = roofline_bandwidth(1e6, 4 << 20)
     assert fast["peak_bandwidth_gbs"] == 1e6 > fast["working_set_bandwidth_gbs"]
+
+
+def test_a_peers_version_is_what_it_says(tmp_path) -> None:
+    peer = tmp_path / "llama-server"
+    peer.write_text("#!/bin/sh\necho 'load_backend: loaded CPU backend' >&2\necho 'version: 11434 (abc)' >&2\n"
+                    "echo 'built with GNU 12.2.0 for Linux x86_64' >&2\n")
+    peer.chmod(0o755)
+    assert engine_version(str(peer)) == ("load_backend: loaded CPU backend; version: 11434 (abc); built with GNU "
+                                         "12.2.0 for Linux x86_64")
+    assert engine_version(str(tmp_path / "absent")) is None
 
 
 def test_publish_keeps_the_json_and_writes_the_blocks(repo, tmp_path) -> None:

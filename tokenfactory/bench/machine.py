@@ -28,6 +28,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -198,7 +199,20 @@ def measure_served(args: argparse.Namespace, name: str, levels: list[tuple[int, 
         if not started:
             break
     result["command"] = next(iter(commands.values()), None)
+    if name != "tokenfactory" and (binary := shutil.which(name)) is not None:  # the launcher runs it by name
+        result["version"] = engine_version(binary)
     return result
+
+
+def engine_version(binary: str) -> str | None:
+    """What a peer's `--version` says (llama.cpp: its build number, commit and compiler), on one line: which build
+    was measured belongs beside its command."""
+    try:
+        done = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = [line.strip() for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    return "; ".join(lines[-3:])[:300] or None
 
 
 def bundled_path() -> Path:

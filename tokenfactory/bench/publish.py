@@ -145,6 +145,8 @@ def machine_section(m: dict[str, Any]) -> str:
                 f"{c} clients `{cmd}`" for c, cmd in sorted(by_clients.items(), key=lambda kv: int(kv[0]))))
         else:
             out.append(f"- {name}: `{engine['command']}`")
+        if engine.get("version"):
+            out[-1] += f" ({name} --version: {engine['version']})"
     single = goals.get("served_single_stream")
     if single:
         out.append(f"- served single stream: {single['served_decode_tok_s']} tok/s decode (1 / TPOT p50) against "
