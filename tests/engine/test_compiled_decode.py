@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.reference import tiny_random_model_dir
+from tokenfactory import config
 from tokenfactory.config import EngineConfig
 from tokenfactory.engine.compiled_decode import (
     DECODE_STEPS,
@@ -40,6 +41,7 @@ def test_buckets() -> None:
     assert [bucket((1, 2, 4, 8), n) for n in (1, 3, 8, 9)] == [1, 4, 8, None]
     assert resolve("auto", torch.device("cpu")) == "plan" and resolve("auto", torch.device("cuda")) == "cuda-graphs"
     assert resolve("eager", torch.device("cuda")) == "eager"
+    assert set(config.DECODE_STEPS) == {"auto", *DECODE_STEPS}  # what the config accepts is what the runner runs
 
 
 def test_bad_settings_are_refused_by_name(tmp_path) -> None:

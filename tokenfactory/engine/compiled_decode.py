@@ -12,8 +12,9 @@ same shapes and replays the same graph:
     table columns     past a sequence's own blocks: the scratch block, never read (seq_lens masks them)
 
 Row buckets are 1, 2, 4, then every 8 up to max_num_seqs (vLLM's capture sizes); widths powers of two up to the
-blocks of max_model_len. Shapes are marked dynamic, so one compile serves every bucket and CUDA graphs are recorded
-per bucket (`warm_up` records the row buckets at start-up, the rest as first used). The arithmetic is the model's
+blocks of max_model_len. After the first bucket Dynamo marks the changing sizes dynamic (its automatic dynamic
+shapes), so a few compiles serve every bucket; CUDA graphs are recorded per bucket (`warm_up` records the row
+buckets at start-up, the widths as first used). The arithmetic is the model's
 own `forward`: bucketing changes shapes, never operations.
 
 The CPU tests run this class on the PyTorch path (the C++ kernels off) with the compiler's eager backend and
@@ -52,7 +53,7 @@ DECODE_STEPS: dict[str, CompileSpec | None] = {
 }
 
 
-RECOMPILE_LIMIT = 256
+RECOMPILE_LIMIT = 256  # Dynamo's per-function limit, raised for `_step` (see CompiledDecode.__init__)
 
 
 def resolve(decode_step: str, device: torch.device) -> str:

@@ -151,7 +151,7 @@ class ModelRunner:
         self.model.rotary = Rotary(self.cfg, max_model_len).to(self.device)
         spec = compiled_decode.DECODE_STEPS.get(self.decode_step_kind)
         # A compiled step's padding rows write to a scratch block past the block manager's pool (compiled_decode.py).
-        pool_blocks = num_blocks + (spec is not None)
+        pool_blocks = num_blocks + (1 if spec is not None else 0)
         shape = (self.cfg.num_kv_heads, pool_blocks, self.block_size, self.cfg.head_dim)
         self.kv_caches = allocate_kv_pool(shape, self.cfg.num_layers, self.kv_format, self.device)
         if self.decode_step_kind == "plan":  # the layers in one C++ call, where the model's layers allow it

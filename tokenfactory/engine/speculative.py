@@ -748,7 +748,8 @@ def _draft_model_proposer(name: str, host: SpecHost, draft: LoadedModel, quantiz
     runner = ModelRunner(draft.config, draft.weights, device=host.device, dtype=host.dtype,
                          num_blocks=host.capacity.num_blocks, block_size=host.config.block_size,
                          max_model_len=host.max_model_len, sampler=sampler, quantization=quantization,
-                         raw_gguf=draft.raw_gguf)
+                         raw_gguf=draft.raw_gguf, decode_step=host.config.decode_step,
+                         max_num_seqs=host.config.max_num_seqs)  # the draft's decode steps run as the target's
     ctx = calibration_context(kv, 0, host.max_model_len)
     time_step(runner, kv, 1, 0, ctx, repeats=1)
     d1, d4 = time_step(runner, kv, 1, 0, ctx), time_step(runner, kv, 4, 0, ctx)
