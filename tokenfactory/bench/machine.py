@@ -28,7 +28,6 @@ import json
 import os
 import platform
 import shlex
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -199,8 +198,6 @@ def measure_served(args: argparse.Namespace, name: str, levels: list[tuple[int, 
         if not started:
             break
     result["command"] = next(iter(commands.values()), None)
-    if name != "tokenfactory" and (binary := shutil.which(name)) is not None:  # the launcher runs it by name
-        result["version"] = engine_version(binary)
     return result
 
 
@@ -238,6 +235,8 @@ def serve_group(args: argparse.Namespace, name: str, model_path: Path, group: li
     command = launcher.command(options, port)
     if command is None:
         return None
+    if name != "tokenfactory" and "version" not in result:  # the binary the launcher resolved, asked once
+        result["version"] = engine_version(command[0])
     env = launcher.env(options)
     text = shown(command, model_path, env)
     log = Path(args.results_dir).expanduser() / "logs" / f"machine-{name}.log"

@@ -193,8 +193,7 @@ def main(args: argparse.Namespace) -> int:
         for run in runs:  # each scheme against its own roofline: a smaller model may fit in the cache (offline.py)
             bytes_per_token = run["decode_weight_bytes"] + run["kv_bytes_per_token"] * (
                 args.prompt_len + args.output_len / 2)
-            run["bandwidth"] = ({"peak_bandwidth_gbs": peak, "peak_bandwidth_source": "given"}
-                                if args.peak_bandwidth_gbs else roofline_bandwidth(peak, int(bytes_per_token)))
+            run["bandwidth"] = roofline_bandwidth(peak, int(bytes_per_token), given=bool(args.peak_bandwidth_gbs))
             s = run["single_stream"]
             s["mbu"] = s["decode_tokens_per_s_median_step"] * bytes_per_token / (
                 run["bandwidth"]["peak_bandwidth_gbs"] * 1e9)
