@@ -156,3 +156,30 @@ def test_the_fallback_splits_speculative_rows_as_the_kernel_does(monkeypatch):
     with_kernel = attention._decode_attention(q, k, v, meta, 0.125)
     monkeypatch.setattr(attention, "paged_decode_kernel", lambda: None)
     torch.testing.assert_close(attention._decode_attention(q, k, v, meta, 0.125), with_kernel, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 80])
+@pytest.mark.parametrize("window", [0, 1, 20, 64, 100])
+def test_decode_rows_split_into_spans_match_the_reference(head_dim, window):
+    # Decode rows (one per sequence) take the span-split path: lengths across one, two and six 64-key spans,
+    # windows inside a span and across span edges. bfloat16 caches (the AVX-512 path where built), compared with
+    # float32 arithmetic on the same rounded values: only the output's rounding to bfloat16 may differ.
+    lens = [1, 63, 64, 65, 129, 333]
+    q, k, v, tables, seq_lens = paged_case(lens, 9, 3, torch.bfloat16, head_dim=head_dim, seed=3)
+    scale = head_dim ** -0.5
+    want = decode_attention_torch(q.float(), k.float(), v.float(), tables, seq_lens, scale, window=window or None)
+    got = kernel(q, k, v, tables, seq_lens, one_row_each(seq_lens), scale, window)
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=8e-3)
+
+
+def test_a_decode_rows_attention_is_the_same_bits_beside_any_batch():
+    # The spans are fixed by a sequence's positions, never by the batch or the threads' share of it: the same
+    # sequence alone, first of three, last of eight.
+    lens = [200, 7, 90, 333, 64, 1, 150, 200]
+    q, k, v, tables, seq_lens = paged_case(lens, 9, 3, torch.bfloat16, seed=5)
+    batch = kernel(q, k, v, tables, seq_lens, one_row_each(seq_lens), 0.125)
+    for i in (0, 7):
+        alone = kernel(q[i:i + 1].contiguous(), k, v, tables[i:i + 1], seq_lens[i:i + 1], one_row_each([0]), 0.125)
+        assert torch.equal(alone[0], batch[i])
+    three = kernel(q[:3].contiguous(), k, v, tables[:3], seq_lens[:3], one_row_each([0] * 3), 0.125)
+    assert torch.equal(three, batch[:3])

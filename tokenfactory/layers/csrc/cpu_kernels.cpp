@@ -149,6 +149,264 @@ void attend_task(const T* q, const C* k_cache, const C* v_cache, const c10::Half
   }
 }
 
+// Decode rows (one query row per sequence, the cache in the model's dtype): the keys are cut into spans of
+// KSPAN positions, each (sequence, KV head, span) one task with its own softmax (its maximum m, its sum l and its
+// weighted values), and the spans are merged after, in order (flash-decoding's split). One sequence's three KV
+// heads on two threads left one thread idle a third of the time; spans keep both busy at any batch size. The
+// spans are fixed by positions alone, never by the batch, so a sequence's attention is the same bits beside any
+// other sequence. The group's queries share each key and value row, converted to float once.
+constexpr int64_t KSPAN = 64;
+
+// s[t] = e^(s[t] - m) for t < n (every s[t] <= m), returning their sum: the softmax's weights. AVX-512: 16 at a
+// time (Cody-Waite reduction to r in [-ln2/2, ln2/2], e^r by its degree-6 Taylor polynomial, relative error ~2e-7,
+// scaled by 2^k exactly); glibc's expf, called one at a time from this loop, was half of the kernel's time.
+inline float exp_shifted_sum(float* s, int64_t n, float m) {
+  float sum = 0.f;
+  int64_t t = 0;
+#ifdef __AVX512F__
+  const __m512 mv = _mm512_set1_ps(m);
+  __m512 acc = _mm512_setzero_ps();
+  for (; t < n; t += 16) {
+    const __mmask16 mask = n - t >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - t)) - 1u);
+    __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + t), mv), _mm512_set1_ps(-87.f));
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
+    x = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187e-06f), x);
+    __m512 p = _mm512_set1_ps(1.f / 720.f);
+    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.f));
+    p = _mm512_scalef_ps(p, k);
+    _mm512_mask_storeu_ps(s + t, mask, p);
+    acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(mask, p));
+  }
+  sum = _mm512_reduce_add_ps(acc);
+#else
+  for (; t < n; ++t) {
+    s[t] = std::exp(s[t] - m);
+    sum += s[t];
+  }
+#endif
+  return sum;
+}
+
+// f(j, row) for the rows of positions t0 + j in [t0, t1) of one head's paged cache, block by block (t0 and t1 need
+// not be block-aligned), the next block prefetched.
+template <typename T, typename F>
+inline void span_rows(const T* head_cache, const int64_t* table, int64_t block_size, int64_t d, int64_t t0,
+                      int64_t t1, F&& f) {
+  for (int64_t t = t0; t < t1;) {
+    const int64_t b = t / block_size, t_end = std::min(t1, (b + 1) * block_size);
+    if (t_end < t1) prefetch_block(head_cache + table[b + 1] * block_size * d, block_size * d);
+    const T* r = head_cache + (table[b] * block_size + t - b * block_size) * d;
+    for (; t < t_end; ++t, r += d) f(t - t0, r);
+  }
+}
+
+#ifdef __AVX512F__
+inline __m512 load_bf16x16(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// Sixteen vectors' horizontal sums as one vector (lane j: the sum of v[j]'s lanes), by a transposing tree: 45
+// instructions where sixteen separate reductions take ~140.
+inline __m512 hsum16(const __m512* v) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// decode_span for bfloat16 caches and a head size a multiple of 16, in AVX-512 registers: g++ kept the generic
+// loops to 256-bit vectors, one horizontal sum a score and the weighted values in memory (~80 cycles a key and
+// head on a Xeon). Here each key and value row is widened once for the group's queries, a query's products with
+// sixteen keys are summed together (hsum16), and the weighted values of up to GC queries stay in registers.
+template <int64_t D>
+void decode_span_bf16(const c10::BFloat16* q, const c10::BFloat16* k_head, const c10::BFloat16* v_head,
+                      const int64_t* table, int64_t block_size, int64_t t0, int64_t t1, int64_t group, float scale,
+                      float* part) {
+  constexpr int NV = D / 16, GC = NV <= 4 ? 4 : NV <= 8 ? 2 : 1;
+  const int64_t n = t1 - t0;
+  thread_local std::vector<__m512> buf;
+  buf.resize(static_cast<size_t>(group * (NV + KSPAN + KSPAN / 16)));
+  float* qf = reinterpret_cast<float*>(buf.data());          // group x D
+  __m512* products = buf.data() + group * NV;                // group x KSPAN: a query's products with a key
+  float* scores = reinterpret_cast<float*>(products + group * KSPAN);  // group x KSPAN
+  for (int64_t i = 0; i < group * D; ++i) qf[i] = to_float(q[i]) * scale;
+  span_rows(k_head, table, block_size, D, t0, t1, [&](int64_t j, const c10::BFloat16* kr) {
+    __m512 k[NV];
+    for (int v = 0; v < NV; ++v) k[v] = load_bf16x16(kr + 16 * v);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = qf + g * D;
+      __m512 a = _mm512_mul_ps(k[0], _mm512_loadu_ps(qg));
+      for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(k[v], _mm512_loadu_ps(qg + 16 * v), a);
+      products[g * KSPAN + j] = a;
+    }
+  });
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores + g * KSPAN;
+    for (int64_t j = 0; j < n; j += 16) _mm512_storeu_ps(sg + j, hsum16(products + g * KSPAN + j));  // past n: unused
+    float* pg = part + g * (D + 2);
+    pg[0] = *std::max_element(sg, sg + n);
+    pg[1] = exp_shifted_sum(sg, n, pg[0]);
+  }
+  for (int64_t g0 = 0; g0 < group; g0 += GC) {
+    const int64_t gc = std::min<int64_t>(GC, group - g0);
+    __m512 acc[GC][NV];
+    for (int c = 0; c < GC; ++c)
+      for (int v = 0; v < NV; ++v) acc[c][v] = _mm512_setzero_ps();
+    span_rows(v_head, table, block_size, D, t0, t1, [&](int64_t j, const c10::BFloat16* vr) {
+      __m512 x[NV];
+      for (int v = 0; v < NV; ++v) x[v] = load_bf16x16(vr + 16 * v);
+      for (int c = 0; c < GC; ++c) {
+        if (c >= gc) break;
+        const __m512 w = _mm512_set1_ps(scores[(g0 + c) * KSPAN + j]);
+        for (int v = 0; v < NV; ++v) acc[c][v] = _mm512_fmadd_ps(w, x[v], acc[c][v]);
+      }
+    });
+    for (int64_t c = 0; c < gc; ++c)
+      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(part + (g0 + c) * (D + 2) + 2 + 16 * v, acc[c][v]);
+  }
+}
+#endif
+
+template <typename T, int64_t D>
+void decode_span(const T* q, const T* k_head, const T* v_head, const int64_t* table, int64_t block_size,
+                 int64_t t0, int64_t t1, int64_t group, int64_t head_dim, float scale, float* part) {
+  const int64_t d = D > 0 ? D : head_dim, n = t1 - t0;
+  thread_local std::vector<float> buf;
+  buf.resize(static_cast<size_t>(group * (d + KSPAN) + d));
+  float* qf = buf.data();
+  float* scores = qf + group * d;  // group x KSPAN
+  float* row = scores + group * KSPAN;
+  for (int64_t i = 0; i < group * d; ++i) qf[i] = to_float(q[i]) * scale;
+  span_rows(k_head, table, block_size, d, t0, t1, [&](int64_t j, const T* kr) {
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) row[i] = to_float(kr[i]);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = qf + g * d;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < d; ++i) sum += qg[i] * row[i];
+      scores[g * KSPAN + j] = sum;
+    }
+  });
+  // part: per query of the group, m, l, then d weighted values.
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * KSPAN;
+    const float m = *std::max_element(s, s + n);
+    const float l = exp_shifted_sum(s, n, m);
+    float* pg = part + g * (d + 2);
+    pg[0] = m;
+    pg[1] = l;
+    std::fill(pg + 2, pg + 2 + d, 0.f);
+  }
+  span_rows(v_head, table, block_size, d, t0, t1, [&](int64_t j, const T* vr) {
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) row[i] = to_float(vr[i]);
+    for (int64_t g = 0; g < group; ++g) {
+      const float w = scores[g * KSPAN + j];
+      float* acc = part + g * (d + 2) + 2;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) acc[i] += w * row[i];
+    }
+  });
+}
+
+template <typename T, int64_t D>
+void run_decode_spans(const T* qp, const T* kp, const T* vp, const int64_t* tables_p, const int64_t* lens_p,
+                      int64_t num_seqs, int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                      int64_t num_blocks, int64_t block_size, int64_t window, float scale, T* op) {
+  const int64_t group = num_heads / num_kv_heads, d = D > 0 ? D : head_dim, part_size = group * (d + 2);
+  // Sequence s's spans: [first[s], first[s] + count[s]) of KSPAN-aligned positions from its window's start.
+  std::vector<int64_t> first(num_seqs), offsets(num_seqs + 1, 0);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, lens_p[s] - window) : 0;
+    first[s] = lo / KSPAN;
+    offsets[s + 1] = offsets[s] + ((lens_p[s] + KSPAN - 1) / KSPAN - first[s]) * num_kv_heads;
+  }
+  const int64_t num_tasks = offsets[num_seqs];
+  std::vector<float> parts(static_cast<size_t>(num_tasks * part_size));
+  const int64_t head_stride = num_blocks * block_size * d;
+  // (sequence, KV head, span) of each task, and the keys before it (work[task]: a prefix sum).
+  std::vector<int64_t> seq(num_tasks), work(num_tasks + 1, 0);
+  auto keys = [&](int64_t task, int64_t& t0, int64_t& t1) {
+    const int64_t s = seq[task], c = first[s] + (task - offsets[s]) / num_kv_heads;
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, lens_p[s] - window) : 0;
+    t0 = std::max(lo, c * KSPAN);
+    t1 = std::min(lens_p[s], (c + 1) * KSPAN);
+  };
+  for (int64_t s = 0; s < num_seqs; ++s) std::fill(seq.begin() + offsets[s], seq.begin() + offsets[s + 1], s);
+  for (int64_t task = 0; task < num_tasks; ++task) {
+    int64_t t0, t1;
+    keys(task, t0, t1);
+    work[task + 1] = work[task] + t1 - t0;
+  }
+  // Each thread takes the tasks whose middle key falls in its equal share of all the keys: at::parallel_for would
+  // hand out equal numbers of tasks, and a sequence's last span is usually short (one sequence of 200 keys split
+  // 384 / 216 key rows over two threads).
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), num_tasks), total = work[num_tasks];
+  std::vector<int64_t> bounds(threads + 1, num_tasks);
+  bounds[0] = 0;
+  for (int64_t task = 0, th = 1; task < num_tasks && th < threads; ++task)
+    while (th < threads && (work[task] + work[task + 1]) * threads > 2 * th * total) bounds[th++] = task;
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = bounds[begin]; task < bounds[end]; ++task) {
+      const int64_t s = seq[task], h = (task - offsets[s]) % num_kv_heads;
+      int64_t t0, t1;
+      keys(task, t0, t1);
+      const T* qs = qp + (s * num_heads + h * group) * d;
+      const int64_t* table = tables_p + s * max_blocks;
+      float* part = parts.data() + task * part_size;
+#ifdef __AVX512F__
+      if constexpr (std::is_same<T, c10::BFloat16>::value && D > 0) {
+        decode_span_bf16<D>(qs, kp + h * head_stride, vp + h * head_stride, table, block_size, t0, t1, group, scale,
+                            part);
+        continue;
+      }
+#endif
+      decode_span<T, D>(qs, kp + h * head_stride, vp + h * head_stride, table, block_size, t0, t1, group, d, scale,
+                        part);
+    }
+  });
+  at::parallel_for(0, num_seqs * num_kv_heads, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> out(static_cast<size_t>(d));
+    for (int64_t sh = begin; sh < end; ++sh) {
+      const int64_t s = sh / num_kv_heads, h = sh % num_kv_heads;
+      const int64_t spans = (offsets[s + 1] - offsets[s]) / num_kv_heads;
+      for (int64_t g = 0; g < group; ++g) {
+        auto part = [&](int64_t c) { return parts.data() + (offsets[s] + c * num_kv_heads + h) * part_size + g * (d + 2); };
+        float m = part(0)[0];
+        for (int64_t c = 1; c < spans; ++c) m = std::max(m, part(c)[0]);
+        float l = 0.f;
+        std::fill(out.begin(), out.end(), 0.f);
+        for (int64_t c = 0; c < spans; ++c) {
+          const float* pc = part(c);
+          const float w = std::exp(pc[0] - m);
+          l += w * pc[1];
+          for (int64_t i = 0; i < d; ++i) out[i] += w * pc[2 + i];
+        }
+        const float inv = 1.f / l;
+        T* o = op + (s * num_heads + h * group + g) * d;
+        for (int64_t i = 0; i < d; ++i) o[i] = static_cast<T>(out[i] * inv);
+      }
+    }
+  });
+}
+
 // The checks every entry point shares: shapes, index dtypes, and that each sequence's rows and the blocks it
 // will read (those from its first window on) lie inside the cache.
 void check_decode_args(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
@@ -194,6 +452,23 @@ void run_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torc
   const C* kp = static_cast<const C*>(k_cache.data_ptr());
   const C* vp = static_cast<const C*>(v_cache.data_ptr());
   T* op = out.data_ptr<T>();
+  if constexpr (std::is_same<T, C>::value) {
+    bool decode = true;
+    for (int64_t s = 0; s < num_seqs && decode; ++s) decode = starts_p[s + 1] - starts_p[s] == 1;
+    if (decode) {
+      const float sc = static_cast<float>(scale);
+      if (d == 64)
+        run_decode_spans<T, 64>(qp, kp, vp, tables_p, lens_p, num_seqs, max_blocks, num_heads, num_kv_heads, d,
+                                num_blocks, block_size, window, sc, op);
+      else if (d == 128)
+        run_decode_spans<T, 128>(qp, kp, vp, tables_p, lens_p, num_seqs, max_blocks, num_heads, num_kv_heads, d,
+                                 num_blocks, block_size, window, sc, op);
+      else
+        run_decode_spans<T, 0>(qp, kp, vp, tables_p, lens_p, num_seqs, max_blocks, num_heads, num_kv_heads, d,
+                               num_blocks, block_size, window, sc, op);
+      return;
+    }
+  }
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
     for (int64_t task = begin; task < end; ++task) {
@@ -741,9 +1016,12 @@ torch::Tensor q8act_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor s
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const c10::Half* s = scales.data_ptr<c10::Half>();
   const c10::Half* mn = q4 ? mins.data_ptr<c10::Half>() : nullptr;
-  // Tasks of 64 output rows: the LM head's 49152 rows split over every thread, a 576-row layer over a few.
-  at::parallel_for(0, (n + 63) / 64, 1, [&](int64_t begin, int64_t end) {
-    const int64_t n0 = begin * 64, n1 = std::min(n, end * 64);
+  // Units of 16 output rows (whole tiles), which at::parallel_for hands each thread as one contiguous run: a
+  // 576-row layer splits 288 / 288 over 2 threads, where units of 64 split it 320 / 256 (the slower thread sets
+  // the layer's time).
+  constexpr int64_t unit = 16;
+  at::parallel_for(0, (n + unit - 1) / unit, 1, [&](int64_t begin, int64_t end) {
+    const int64_t n0 = begin * unit, n1 = std::min(n, end * unit);
 #ifdef TF_Q8ACT_VNNI
     if (vnni) {
       (q4 ? q8act_vnni<true> : q8act_vnni<false>)(c, s, mn, n0, n1, n, m, k, xq, dx, xs, acc);
