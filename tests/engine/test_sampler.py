@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from scipy.stats import chisquare
 
-from tokenfactory.engine.sampler import Sampler, SamplingBatch, apply_top_k_top_p
+from tokenfactory.engine.sampler import Sampler, SamplingBatch, apply_top_k_top_p, first_max
 
 N = 6000
 
@@ -86,3 +86,13 @@ def test_logit_bias_is_a_logits_processor_before_the_grammars() -> None:
     forced = only_bias.prepare([Sequence("f", "f", 0, [1], SamplingParams(logit_bias={5: 100}), 0.0)])
     assert {only_bias.sample(LOGITS[None], forced)[0].token_id for _ in range(50)} == {5}
     assert only_bias.sample(LOGITS[None], only_bias.prepare([seq(0, logit_bias={0: -100})]))[0].token_id == 1
+
+
+def test_first_max_is_argmax_with_ties_anywhere_in_a_long_row():
+    # max(dim=-1)'s vectorized CPU code must give argmax's answer: the first of equal maxima, wherever they are.
+    g = torch.Generator().manual_seed(0)
+    for rows in (1, 7, 48):
+        x = torch.randint(-5, 3, (rows, 49152), generator=g).float()  # thousands of ties at each row's maximum
+        x[0, 40000:] = 9.0  # one row's maxima only near its end
+        assert first_max(x) == x.argmax(dim=-1).tolist()
+        assert first_max(x.bfloat16().float()) == x.argmax(dim=-1).tolist()

@@ -44,7 +44,7 @@ import torch
 
 from tokenfactory.engine.client import SpeculativeMetrics
 from tokenfactory.engine.kv_cache import BlockManager
-from tokenfactory.engine.sampler import SampledToken, Sampler, draw
+from tokenfactory.engine.sampler import SampledToken, Sampler, draw, first_max
 from tokenfactory.engine.scheduler import ScheduledChunk, SchedulerOutput
 from tokenfactory.engine.sequence import Draft, Sequence
 from tokenfactory.types import ParameterError, SamplingParams, StepStats
@@ -248,7 +248,7 @@ class DraftModelProposer:
             s.num_computed_tokens = s.num_tokens
         sampling = inputs.sampling
         assert sampling is not None
-        greedy = logits.argmax(dim=-1).tolist()
+        greedy = first_max(logits)
         dist = None if sampling.all_greedy else self.sampler.probs(logits, sampling)  # (S, V)
         toks: list[int] = [0] * len(batch)
         qs: list[torch.Tensor | None] = [None] * len(batch)
