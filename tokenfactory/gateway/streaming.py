@@ -66,8 +66,9 @@ class EventStream(StreamingResponse):
         await self._send(send, {"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _send(self, send: Send, message: dict) -> None:
-        try:
-            await asyncio.wait_for(send(message), self.send_timeout_s)
+        try:  # asyncio.timeout runs the send in this task; wait_for made a task for every chunk
+            async with asyncio.timeout(self.send_timeout_s):
+                await send(message)
         except TimeoutError:
             logger.warning("a streaming client took no data for %.0f s: dropping it and aborting its request",
                            self.send_timeout_s)
