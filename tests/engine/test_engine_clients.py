@@ -20,7 +20,7 @@ from tokenfactory.engine.async_engine import AsyncEngine
 from tokenfactory.engine.client import AddRequest, EngineDeadError, RequestError
 from tokenfactory.engine.engine import LLMEngine
 from tokenfactory.fleet.process import start_process_replica
-from tokenfactory.types import GrammarSpec, PoolingParams, SamplingParams, StepStats
+from tokenfactory.types import GrammarSpec, PoolingParams, RequestOutput, SamplingParams, StepStats
 
 pytestmark = pytest.mark.slow
 
@@ -193,6 +193,26 @@ def test_steps_reach_listeners_off_the_engine_thread_before_the_final_output(cli
         computed = len(PROMPTS[1]) - out.num_cached_tokens  # the prefix cache holds what earlier tests sent
         assert out.finished and num_heard == computed + len(out.outputs[0].token_ids) - 1
     assert client.is_alive and not any(name == "tokenfactory-engine" for _, name in seen)
+
+
+def test_an_aborted_requests_steps_are_heard_before_its_abort_returns(client) -> None:
+    """Steps that end nothing may reach the listeners late (batched on the engine's side), but a reader that leaves
+    early returns only after every step the engine ran for its request was heard: the meter bills all of it."""
+    seen: list[StepStats] = []
+    client.subscribe_steps(seen.append)
+    before = wait_idle(client).num_generation_tokens_total
+
+    async def main() -> RequestOutput:
+        gen = client.generate(add("ab", [7, 8, 9, 10, 11, 12, 13], SamplingParams(max_tokens=400, ignore_eos=True)))
+        first = await anext(gen)
+        for _ in range(3):
+            await anext(gen)
+        await gen.aclose()
+        return first
+    first = asyncio.run(main())
+    heard = sum(w.num_new_tokens for st in seen for w in st.work if w.request_id == "ab")
+    generated = wait_idle(client).num_generation_tokens_total - before
+    assert generated >= 4 and heard == 7 - first.num_cached_tokens + generated - 1
 
 
 def test_a_request_the_engine_refuses_fails_alone(client, expected) -> None:

@@ -123,8 +123,9 @@ class UsageReport:
 
 async def _merged(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Each prompt's outputs as they come, with the prompt's index, until every prompt's last. One prompt (the common
-    case) is read directly: racing it with asyncio.wait made a task, a wait and its callbacks for every token, a
-    third of the event loop's time per streamed token at one client. A stream's error is raised here."""
+    case) is read directly: racing it with asyncio.wait made a task, a wait and its callbacks for every token (this
+    and EventStream's send without wait_for took a quarter off the event loop's CPU per streamed token at one
+    client). A stream's error is raised here."""
     if len(gens) == 1:
         async for out in gens[0]:
             yield 0, out
