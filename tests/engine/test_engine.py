@@ -158,7 +158,11 @@ def test_streaming_deltas_rebuild_the_text_with_multibyte_characters(engine) -> 
             pieces.append(out.outputs[0].text_delta)
             final = out
     assert final is not None and "".join(pieces) == final.outputs[0].text
-    assert "\ufffd" not in "".join(pieces)
+    # A character split across tokens is held until it completes: no delta shows half of one. Only the last may end
+    # in one that max_tokens cut off (the final text decodes those bytes as U+FFFD too), which a change in the
+    # sampled tokens can bring about.
+    tail = pieces[-1].rstrip("\ufffd") if final.outputs[0].finish_reason == "length" else pieces[-1]
+    assert "\ufffd" not in "".join(pieces[:-1]) + tail
     assert final.outputs[0].text == engine.tokenizer.decode(final.outputs[0].token_ids)
 
 

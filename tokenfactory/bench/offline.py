@@ -242,7 +242,7 @@ def main(args: argparse.Namespace) -> int:
         "tokenfactory": ours}
     if not args.skip_hf:
         probe = probe_hf_dtypes(args, workload) if args.hf_dtype == "auto" else None
-        hf = run_hf(args, workload, max(probe, key=lambda d: probe[d]) if probe else args.hf_dtype)
+        hf = run_hf(args, workload, max(probe, key=probe.__getitem__) if probe else args.hf_dtype)
         if probe:
             hf["dtype_probe_tok_s"] = probe
         result["hf_generate"] = hf
