@@ -314,30 +314,25 @@ void run_decode_spans(const T* qp, const T* kp, const T* vp, const int64_t* tabl
                       int64_t num_seqs, int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                       int64_t num_blocks, int64_t block_size, int64_t window, float scale, T* op) {
   const int64_t group = num_heads / num_kv_heads, d = D > 0 ? D : head_dim, part_size = group * (d + 2);
-  // Sequence s's spans: [first[s], first[s] + count[s]) of KSPAN-aligned positions from its window's start.
-  std::vector<int64_t> first(num_seqs), offsets(num_seqs + 1, 0);
+  // One task per (sequence, KSPAN-aligned span from its window's start, KV head), in that order; offsets[s]: the
+  // sequence's first task; work[task]: the keys before it (a prefix sum).
+  struct Task {
+    int64_t s, h, t0, t1;
+  };
+  std::vector<Task> tasks;
+  std::vector<int64_t> offsets(num_seqs + 1, 0), work(1, 0);
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t lo = window > 0 ? std::max<int64_t>(0, lens_p[s] - window) : 0;
-    first[s] = lo / KSPAN;
-    offsets[s + 1] = offsets[s] + ((lens_p[s] + KSPAN - 1) / KSPAN - first[s]) * num_kv_heads;
+    for (int64_t c = lo / KSPAN; c * KSPAN < lens_p[s]; ++c)
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        tasks.push_back({s, h, std::max(lo, c * KSPAN), std::min(lens_p[s], (c + 1) * KSPAN)});
+        work.push_back(work.back() + tasks.back().t1 - tasks.back().t0);
+      }
+    offsets[s + 1] = static_cast<int64_t>(tasks.size());
   }
   const int64_t num_tasks = offsets[num_seqs];
   std::vector<float> parts(static_cast<size_t>(num_tasks * part_size));
   const int64_t head_stride = num_blocks * block_size * d;
-  // (sequence, KV head, span) of each task, and the keys before it (work[task]: a prefix sum).
-  std::vector<int64_t> seq(num_tasks), work(num_tasks + 1, 0);
-  auto keys = [&](int64_t task, int64_t& t0, int64_t& t1) {
-    const int64_t s = seq[task], c = first[s] + (task - offsets[s]) / num_kv_heads;
-    const int64_t lo = window > 0 ? std::max<int64_t>(0, lens_p[s] - window) : 0;
-    t0 = std::max(lo, c * KSPAN);
-    t1 = std::min(lens_p[s], (c + 1) * KSPAN);
-  };
-  for (int64_t s = 0; s < num_seqs; ++s) std::fill(seq.begin() + offsets[s], seq.begin() + offsets[s + 1], s);
-  for (int64_t task = 0; task < num_tasks; ++task) {
-    int64_t t0, t1;
-    keys(task, t0, t1);
-    work[task + 1] = work[task] + t1 - t0;
-  }
   // Each thread takes the tasks whose middle key falls in its equal share of all the keys: at::parallel_for would
   // hand out equal numbers of tasks, and a sequence's last span is usually short (one sequence of 200 keys split
   // 384 / 216 key rows over two threads).
@@ -348,21 +343,19 @@ void run_decode_spans(const T* qp, const T* kp, const T* vp, const int64_t* tabl
     while (th < threads && (work[task] + work[task + 1]) * threads > 2 * th * total) bounds[th++] = task;
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = bounds[begin]; task < bounds[end]; ++task) {
-      const int64_t s = seq[task], h = (task - offsets[s]) % num_kv_heads;
-      int64_t t0, t1;
-      keys(task, t0, t1);
-      const T* qs = qp + (s * num_heads + h * group) * d;
-      const int64_t* table = tables_p + s * max_blocks;
+      const Task& k = tasks[task];
+      const T* qs = qp + (k.s * num_heads + k.h * group) * d;
+      const int64_t* table = tables_p + k.s * max_blocks;
       float* part = parts.data() + task * part_size;
 #ifdef __AVX512F__
       if constexpr (std::is_same<T, c10::BFloat16>::value && D > 0) {
-        decode_span_bf16<D>(qs, kp + h * head_stride, vp + h * head_stride, table, block_size, t0, t1, group, scale,
-                            part);
+        decode_span_bf16<D>(qs, kp + k.h * head_stride, vp + k.h * head_stride, table, block_size, k.t0, k.t1, group,
+                            scale, part);
         continue;
       }
 #endif
-      decode_span<T, D>(qs, kp + h * head_stride, vp + h * head_stride, table, block_size, t0, t1, group, d, scale,
-                        part);
+      decode_span<T, D>(qs, kp + k.h * head_stride, vp + k.h * head_stride, table, block_size, k.t0, k.t1, group, d,
+                        scale, part);
     }
   });
   at::parallel_for(0, num_seqs * num_kv_heads, 16, [&](int64_t begin, int64_t end) {
