@@ -7,7 +7,6 @@ import asyncio
 import json
 import statistics
 
-import httpx
 import numpy as np
 import pytest
 
@@ -169,13 +168,43 @@ def _sse(*events: object) -> bytes:
     return "".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n" for e in events).encode()
 
 
-def _send(body: bytes, status: int = 200, endpoint: str = "chat") -> RequestSample:
-    transport = httpx.MockTransport(lambda request: httpx.Response(status, content=body))
+def _send(body: bytes, status: int = 200, endpoint: str = "chat", piece: int = 0, cut: bool = False) -> RequestSample:
+    """`body` served over real loopback HTTP (aiohttp.web), in `piece`-byte writes when `piece` is set, the
+    connection dropped before the end when `cut` is set; what `send_request` made of it."""
+    from aiohttp import web
+
+    from tokenfactory.bench.client import stream_session
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        if not piece and not cut:
+            return web.Response(status=status, body=body)
+        response = web.StreamResponse(status=status)
+        await response.prepare(request)
+        for i in range(0, len(body), piece or len(body)):
+            await response.write(body[i:i + (piece or len(body))])
+        if cut:
+            request.transport.close()  # mid-stream, no final chunk
+            return response
+        await response.write_eof()
+        return response
+
     request = BenchRequest(0, prompt_len=3, output_len=2, prompt="hi", messages=({"role": "user", "content": "hi"},))
 
     async def go() -> RequestSample:
-        async with httpx.AsyncClient(transport=transport) as client:
-            return await send_request(client, Target("http://x", "m", endpoint), request, SamplingOptions(), 0.0)
+        app = web.Application()
+        app.router.add_post("/v1/{path:.*}", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        try:
+            async with stream_session(30.0) as session:
+                return await send_request(session, Target(f"http://127.0.0.1:{port}", "m", endpoint), request,
+                                          SamplingOptions(), 0.0)
+        finally:
+            await runner.cleanup()
 
     return asyncio.run(go())
 
@@ -204,6 +233,28 @@ def test_stream_faults_are_named():
         (_send(_sse(tok), endpoint="completions"), "stream", "without a finish_reason"),
         (_send(_sse("[DONE]")), "no_tokens", "streamed no token"),
         (_send(b"data: {not json\n\n"), "stream", "not JSON"),
+        (_send(_sse(tok, tok) * 50, endpoint="completions", cut=True), "stream", "connection broke mid-stream"),
     ]
     for s, kind, message in cases:
         assert not s.success and s.error_kind == kind and message in s.error, (kind, s.error)
+
+
+def test_stream_lines_split_across_reads_and_longer_than_a_buffer():
+    """Events arrive in pieces that cut lines anywhere; a line of ~200 KB (many logprobs) is read whole."""
+    toks = [{"choices": [{"index": 0, "text": c, "finish_reason": None}]} for c in "abcdefgh"]
+    big = {"choices": [{"index": 0, "text": "i", "finish_reason": "length", "logprobs": {"pad": "x" * 200_000}}]}
+    s = _send(_sse(*toks, big, "[DONE]"), endpoint="completions", piece=7)
+    assert s.success and s.text == "abcdefghi" and s.num_chunks == 9 and s.finish_reason == "length"
+
+
+def test_a_closed_port_is_a_connect_error():
+    from tokenfactory.bench.client import stream_session
+
+    request = BenchRequest(0, prompt_len=3, output_len=2, prompt="hi")
+
+    async def go() -> RequestSample:
+        async with stream_session(5.0) as session:
+            return await send_request(session, Target("http://127.0.0.1:9", "m"), request, SamplingOptions(), 0.0)
+
+    s = asyncio.run(go())
+    assert not s.success and s.error_kind == "connect" and "cannot connect to http://127.0.0.1:9" in s.error

@@ -12,16 +12,22 @@ a server that sends none has its text counted with the benchmark's tokenizer, as
 
 Failures are data: every request comes back as a RequestSample, with `error_kind` one of ERROR_KINDS
 and a one-line `error` naming what went wrong (the server's own message when it sent one).
+
+Streams are read with aiohttp (as vLLM's and SGLang's benchmarks read them), on uvloop where it is installed
+(`run_async`): on a 2-core machine the load generator's CPU per token is taken from the server under test, and
+httpx on asyncio cost ~370 us a streamed token where aiohttp on uvloop costs ~150 (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+import aiohttp
 import httpx
 
 from tokenfactory.bench.datasets import BenchRequest
@@ -214,7 +220,29 @@ class StreamError(Exception):
     """The stream was readable but wrong (error event, bad JSON)."""
 
 
-async def send_request(client: httpx.AsyncClient, target: Target, request: BenchRequest,
+T = TypeVar("T")
+
+
+def run_async(main: Coroutine[Any, Any, T]) -> T:
+    """`asyncio.run` on uvloop where it is installed (every platform but Windows), else on asyncio's own loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
+def stream_session(request_timeout_s: float) -> aiohttp.ClientSession:
+    """The session `send_request` streams on: a new connection per request, as the plain generator (plain.py)
+    opens (llama-server's cpp-httplib closes a kept-alive connection now and then with no response to the
+    request just sent on it; a loopback connect costs ~0.1 ms, inside TTFT for every engine alike); no proxy
+    from the environment; no limit on connections (the load sets the concurrency)."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
+                                 timeout=aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=10.0),
+                                 trust_env=False)
+
+
+async def send_request(session: aiohttp.ClientSession, target: Target, request: BenchRequest,
                        sampling: SamplingOptions, run_start: float,
                        on_chunk: Callable[[], None] = lambda: None) -> RequestSample:
     """Send one streamed request; never raises for a server or network fault (see RequestSample.error)."""
@@ -223,21 +251,20 @@ async def send_request(client: httpx.AsyncClient, target: Target, request: Bench
     sample.start_s = t_send - run_start
     stream = _Stream(sample, t_send, on_chunk)
     try:
-        async with client.stream("POST", target.url, json=payload(target, request, sampling),
-                                 headers=target.headers()) as response:
-            sample.status = response.status_code
-            if response.status_code != 200:
-                body = (await response.aread()).decode("utf-8", errors="replace")
-                kind = "auth" if response.status_code in (401, 403) else "http"
-                return _fail(sample, kind, f"HTTP {response.status_code}: {error_message(response.status_code, body)}")
-            async for line in response.aiter_lines():
-                stream.feed(line)
-    except httpx.ConnectError as e:
-        return _fail(sample, "connect", f"cannot connect to {target.base_url}: {e or type(e).__name__}")
-    except httpx.TimeoutException as e:
+        async with session.post(target.url, json=payload(target, request, sampling),
+                                headers=target.headers()) as response:
+            sample.status = response.status
+            if response.status != 200:
+                body = (await response.read()).decode("utf-8", errors="replace")
+                kind = "auth" if response.status in (401, 403) else "http"
+                return _fail(sample, kind, f"HTTP {response.status}: {error_message(response.status, body)}")
+            await _read_lines(response, stream)
+    except aiohttp.ClientConnectorError as e:
+        return _fail(sample, "connect", f"cannot connect to {target.base_url}: {e.os_error or type(e).__name__}")
+    except TimeoutError as e:  # aiohttp's ServerTimeoutError is one too
         return _fail(sample, "timeout", f"timed out after {time.perf_counter() - t_send:.1f} s "
                                         f"({type(e).__name__}); raise --request-timeout")
-    except (httpx.RemoteProtocolError, httpx.ReadError) as e:
+    except (aiohttp.ClientError, OSError) as e:
         return _fail(sample, "stream", f"the connection broke mid-stream after {sample.num_chunks} token chunks: "
                                        f"{e or type(e).__name__}")
     except StreamError as e:
@@ -249,6 +276,19 @@ async def send_request(client: httpx.AsyncClient, target: Target, request: Bench
                                        f"finish_reason or [DONE]")
     sample.success = True
     return sample
+
+
+async def _read_lines(response: aiohttp.ClientResponse, stream: _Stream) -> None:
+    """Feed the body to `stream` line by line, split here: aiohttp's own line reader refuses a line longer
+    than its buffer (64 KiB), which a chunk with many logprobs can be."""
+    rest = b""
+    async for data in response.content.iter_any():
+        lines = (rest + data).split(b"\n")
+        rest = lines.pop()
+        for line in lines:
+            stream.feed(line.decode("utf-8", errors="replace"))
+    if rest:
+        stream.feed(rest.decode("utf-8", errors="replace"))
 
 
 def _fail(sample: RequestSample, kind: str, message: str) -> RequestSample:

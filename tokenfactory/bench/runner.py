@@ -18,7 +18,14 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from tokenfactory.bench.client import RequestSample, SamplingOptions, Target, TargetInfo, probe_target
+from tokenfactory.bench.client import (
+    RequestSample,
+    SamplingOptions,
+    Target,
+    TargetInfo,
+    probe_target,
+    stream_session,
+)
 from tokenfactory.bench.datasets import BenchRequest, DatasetConfig
 from tokenfactory.bench.figures import failures_by_reason, latency_figures
 from tokenfactory.bench.loadgen import LoadConfig, LoadOutcome, NullProgress, RichProgress, run_load, warm_up
@@ -64,27 +71,26 @@ async def run_bench(spec: BenchSpec, requests: Sequence[BenchRequest], warmup: S
     import httpx
 
     timeout = httpx.Timeout(spec.load.request_timeout_s, connect=10.0)
-    # A new connection per request, as the plain generator (plain.py) opens: llama-server (cpp-httplib) closes a
-    # kept-alive connection now and then with no response to the request just sent on it ("disconnected without
-    # sending a response": 1 in 8 requests at one client in some runs, the figure then "partial"); a loopback
-    # connect costs ~0.1 ms, inside TTFT for every engine alike.
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+    # httpx for the few plain GETs (/v1/models, /metrics); the streamed requests go through `stream_session`
+    # (aiohttp: a fraction of httpx's CPU per streamed token, which on a small machine the server would lose).
+    async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client, \
+            stream_session(spec.load.request_timeout_s) as session:
         info = await probe_target(client, spec.target.base_url, spec.target.api_key)
         if info.error_kind:
             return _aborted(spec, requests, info, info.error or info.error_kind)
         target = _resolved(spec.target, info)
         if not target.model:
             return _aborted(spec, requests, info, f"{target.base_url}/v1/models lists no model; pass --model")
-        warm = await warm_up(client, target, warmup, spec.sampling)
+        warm = await warm_up(session, target, warmup, spec.sampling)
         fatal = next((s for s in warm if s.error_kind in ("connect", "auth")), None)
         if fatal is not None:
             return _aborted(spec, requests, info, f"warm-up failed: {fatal.error}", target)
-        return await _measure(spec, target, info, client, requests, tokenizer, warm)
+        return await _measure(spec, target, info, (client, session), requests, tokenizer, warm)
 
 
-async def _measure(spec: BenchSpec, target: Target, info: TargetInfo, client: Any,
+async def _measure(spec: BenchSpec, target: Target, info: TargetInfo, clients: tuple[Any, Any],
                    requests: Sequence[BenchRequest], tokenizer: Any, warm: list[RequestSample]) -> RunResult:
+    client, session = clients  # httpx for GETs, aiohttp for the streams
     pid = spec.server_pid or (find_listening_pid(target.base_url) if is_loopback(target.base_url) else None)
     before = await scrape(client, target.base_url, target.headers())
     power = LocalPower(spec.power_source, pid) if spec.power_source != "none" else None
@@ -97,9 +103,9 @@ async def _measure(spec: BenchSpec, target: Target, info: TargetInfo, client: An
     try:
         if progress is not None:
             with progress:
-                outcome = await run_load(client, target, requests, spec.sampling, spec.load, progress)
+                outcome = await run_load(session, target, requests, spec.sampling, spec.load, progress)
         else:
-            outcome = await run_load(client, target, requests, spec.sampling, spec.load, NullProgress())
+            outcome = await run_load(session, target, requests, spec.sampling, spec.load, NullProgress())
     finally:
         stop.set()
         await sampling_task

@@ -145,12 +145,11 @@ def workload(args: argparse.Namespace, spec: Any, tokenizer: Any) -> tuple[list[
 
 
 def run_one(args: argparse.Namespace, spec: Any, tokenizer: Any) -> Any:
-    import asyncio
-
+    from tokenfactory.bench.client import run_async
     from tokenfactory.bench.runner import run_bench
 
     requests, warmup = workload(args, spec, tokenizer)
-    return asyncio.run(run_bench(spec, requests, warmup, tokenizer))
+    return run_async(run_bench(spec, requests, warmup, tokenizer))
 
 
 def main(args: argparse.Namespace) -> int:
