@@ -17,7 +17,8 @@
 // of n sits at position seq_lens[s] - n + r. Returns (T, num_heads, d) in q's dtype.
 // An int8 cache (paged_decode_attention_int8) carries one float16 scale per (KV head, slot) for keys and for
 // values; a sliding window (window > 0) limits each row to its last `window` keys.
-#include <torch/extension.h>
+#include "cpu_kernels.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -385,13 +386,13 @@ void run_decode_spans(const T* qp, const T* kp, const T* vp, const int64_t* tabl
 
 // The checks every entry point shares: shapes, index dtypes, and that each sequence's rows and the blocks it
 // will read (those from its first window on) lie inside the cache.
-void check_decode_args(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                       const torch::Tensor& tables, const torch::Tensor& lens, const torch::Tensor& starts,
+void check_decode_args(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& starts,
                        int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "not contiguous");
-  TORCH_CHECK(tables.scalar_type() == torch::kLong && lens.scalar_type() == torch::kLong &&
-                  starts.scalar_type() == torch::kLong, "index dtype");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong &&
+                  starts.scalar_type() == at::kLong, "index dtype");
   const int64_t num_seqs = tables.size(0), num_heads = q.size(1), d = q.size(2);
   const int64_t num_kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == d && num_heads % num_kv_heads == 0, "head dims");
@@ -415,9 +416,9 @@ void check_decode_args(const torch::Tensor& q, const torch::Tensor& k_cache, con
 }
 
 template <typename T, typename C>
-void run_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                const c10::Half* ks, const c10::Half* vs, const torch::Tensor& tables, const torch::Tensor& lens,
-                const torch::Tensor& starts, double scale, int64_t window, torch::Tensor& out) {
+void run_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                const c10::Half* ks, const c10::Half* vs, const at::Tensor& tables, const at::Tensor& lens,
+                const at::Tensor& starts, double scale, int64_t window, at::Tensor& out) {
   const int64_t num_seqs = tables.size(0), num_heads = q.size(1), d = q.size(2);
   const int64_t num_kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads, max_blocks = tables.size(1);
@@ -469,15 +470,15 @@ void run_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torc
 }  // namespace
 
 // Caches in q's dtype; window 0: full attention.
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens,
-                                     torch::Tensor query_start, double scale, int64_t window) {
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                     at::Tensor block_tables, at::Tensor seq_lens,
+                                     at::Tensor query_start, double scale, int64_t window) {
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(), "dtypes");
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   auto starts = query_start.contiguous();
   check_decode_args(q, k_cache, v_cache, tables, lens, starts, window);
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     run_decode<scalar_t, scalar_t>(q, k_cache, v_cache, nullptr, nullptr, tables, lens, starts, scale, window, out);
   });
@@ -485,12 +486,12 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 }
 
 // int8 caches with float16 scales (num_kv_heads, num_blocks, block_size) for keys and values.
-torch::Tensor paged_decode_attention_int8(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                          torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor block_tables,
-                                          torch::Tensor seq_lens, torch::Tensor query_start, double scale,
+at::Tensor paged_decode_attention_int8(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                          at::Tensor k_scale, at::Tensor v_scale, at::Tensor block_tables,
+                                          at::Tensor seq_lens, at::Tensor query_start, double scale,
                                           int64_t window) {
-  TORCH_CHECK(k_cache.scalar_type() == torch::kChar && v_cache.scalar_type() == torch::kChar, "int8 caches");
-  TORCH_CHECK(k_scale.scalar_type() == torch::kHalf && v_scale.scalar_type() == torch::kHalf, "float16 scales");
+  TORCH_CHECK(k_cache.scalar_type() == at::kChar && v_cache.scalar_type() == at::kChar, "int8 caches");
+  TORCH_CHECK(k_scale.scalar_type() == at::kHalf && v_scale.scalar_type() == at::kHalf, "float16 scales");
   TORCH_CHECK(k_scale.is_contiguous() && v_scale.is_contiguous() && k_scale.dim() == 3 &&
                   k_scale.size(0) == k_cache.size(0) && k_scale.size(1) == k_cache.size(1) &&
                   k_scale.size(2) == k_cache.size(2) && v_scale.sizes() == k_scale.sizes(), "scale shapes");
@@ -498,7 +499,7 @@ torch::Tensor paged_decode_attention_int8(torch::Tensor q, torch::Tensor k_cache
   auto lens = seq_lens.contiguous();
   auto starts = query_start.contiguous();
   check_decode_args(q, k_cache, v_cache, tables, lens, starts, window);
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const c10::Half* ks = k_scale.data_ptr<c10::Half>();
   const c10::Half* vs = v_scale.data_ptr<c10::Half>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention_int8", [&] {
@@ -531,12 +532,12 @@ void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t h, floa
   });
 }
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.dim() == 1 && weight.size(0) == x.size(1),
               "rms_norm takes contiguous (T, H) rows and an (H,) weight");
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "rms_norm: x and weight must share a dtype");
   auto w = weight.contiguous();
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.size(0),
                             x.size(1), static_cast<float>(eps));
@@ -585,7 +586,7 @@ inline void dequantize_line(const uint8_t* line, const float* scale, const float
   }
 }
 
-torch::Tensor int4pack_dequantize_t(torch::Tensor packed, torch::Tensor scales_and_zeros, int64_t group_size,
+at::Tensor int4pack_dequantize_t(at::Tensor packed, at::Tensor scales_and_zeros, int64_t group_size,
                                     int64_t block_n, bool full_halves, bool planes) {
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
               "int4pack_dequantize_t: packed must be contiguous (N, K/2) uint8");
@@ -596,7 +597,7 @@ torch::Tensor int4pack_dequantize_t(torch::Tensor packed, torch::Tensor scales_a
               "int4pack_dequantize_t: scales_and_zeros must be contiguous (K/g, N, 2) bfloat16");
   TORCH_CHECK(block_n > 0 && block_n % 2 == 0 && n % 2 == 0 && k_out % group_size == 0,
               "int4pack_dequantize_t: bad block or group size");
-  auto out = torch::empty({k_out, n}, packed.options().dtype(at::kBFloat16));
+  auto out = at::empty({k_out, n}, packed.options().dtype(at::kBFloat16));
   const uint8_t* src = packed.data_ptr<uint8_t>();
   const c10::BFloat16* sz = scales_and_zeros.data_ptr<c10::BFloat16>();
   auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
@@ -650,12 +651,12 @@ void add_rms_norm_rows(T* x, const T* delta, const T* w, T* out, int64_t rows, i
   });
 }
 
-torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps) {
+at::Tensor add_rms_norm(at::Tensor x, at::Tensor delta, at::Tensor weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && delta.sizes() == x.sizes() && delta.is_contiguous() &&
                   weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(),
               "add_rms_norm takes contiguous (T, H) x and delta and an (H,) weight");
   TORCH_CHECK(x.scalar_type() == delta.scalar_type() && x.scalar_type() == weight.scalar_type(), "dtypes");
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
     add_rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
                                 out.data_ptr<scalar_t>(), x.size(0), x.size(1), static_cast<float>(eps));
@@ -671,11 +672,11 @@ __attribute__((optimize("no-tree-vectorize"))) void silu_inplace(float* act, int
 }
 
 // gate_up (T, 2I) -> silu(gate) * up (T, I), SiLU in float32 rounded, then the product rounded (as F.silu, *).
-torch::Tensor silu_mul(torch::Tensor gate_up) {
+at::Tensor silu_mul(at::Tensor gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
               "silu_mul takes contiguous (T, 2I)");
   const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2;
-  auto out = torch::empty({rows, inner}, gate_up.options());
+  auto out = at::empty({rows, inner}, gate_up.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
     const scalar_t* gu = gate_up.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
@@ -734,8 +735,8 @@ void rope_write_rows(const T* qkv, const int64_t* pos, const float* cos, const f
   });
 }
 
-torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
-                            torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, int64_t num_heads,
+at::Tensor rope_write_kv(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::Tensor sin,
+                            at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots, int64_t num_heads,
                             int64_t num_kv_heads) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && k_cache.dim() == 4 && k_cache.is_contiguous() &&
                   v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes(), "rope_write_kv: shapes");
@@ -749,7 +750,7 @@ torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor positions, torch::T
               "rope_write_kv: float32 (P, d/2) tables");
   auto pos = positions.contiguous();
   auto sl = slots.contiguous();
-  TORCH_CHECK(pos.scalar_type() == torch::kLong && sl.scalar_type() == torch::kLong && pos.numel() == rows &&
+  TORCH_CHECK(pos.scalar_type() == at::kLong && sl.scalar_type() == at::kLong && pos.numel() == rows &&
                   sl.numel() == rows, "rope_write_kv: one long position and slot per row");
   const int64_t cache_slots = k_cache.size(1) * k_cache.size(2);
   const int64_t* pp = pos.data_ptr<int64_t>();
@@ -758,7 +759,7 @@ torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor positions, torch::T
     TORCH_CHECK(pp[t] >= 0 && pp[t] < cos.size(0), "rope_write_kv: position outside the tables");
     TORCH_CHECK(sp[t] >= 0 && sp[t] < cache_slots, "rope_write_kv: slot outside the cache");
   }
-  auto qk = torch::empty({rows, num_heads + num_kv_heads, d}, qkv.options());
+  auto qk = at::empty({rows, num_heads + num_kv_heads, d}, qkv.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_write_kv", [&] {
     rope_write_rows<scalar_t>(qkv.data_ptr<scalar_t>(), pp, cos.data_ptr<float>(), sin.data_ptr<float>(),
                               qk.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
@@ -769,10 +770,10 @@ torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor positions, torch::T
 
 // A decode section's attention in one call: RoPE and the KV write (rope_write_kv), then the paged kernel on
 // the rotated queries. Returns (T, nh * d).
-torch::Tensor rope_decode_attention(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos,
-                                    torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
-                                    torch::Tensor slots, torch::Tensor block_tables, torch::Tensor seq_lens,
-                                    torch::Tensor query_start, int64_t num_heads, int64_t num_kv_heads, double scale,
+at::Tensor rope_decode_attention(at::Tensor qkv, at::Tensor positions, at::Tensor cos,
+                                    at::Tensor sin, at::Tensor k_cache, at::Tensor v_cache,
+                                    at::Tensor slots, at::Tensor block_tables, at::Tensor seq_lens,
+                                    at::Tensor query_start, int64_t num_heads, int64_t num_kv_heads, double scale,
                                     int64_t window) {
   auto qk = rope_write_kv(qkv, positions, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads);
   auto q = qk.narrow(1, 0, num_heads);
@@ -962,7 +963,7 @@ void q8act_vnni(const uint8_t* codes, const c10::Half* scales, const c10::Half* 
 #endif
 
 // x (M, K) float32 / bfloat16 / float16 -> (M, N) in x's dtype. `mins` is ignored for int8 codes.
-torch::Tensor q8act_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor mins,
+at::Tensor q8act_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor mins,
                            bool q4, bool fast) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "q8act_linear: x must be contiguous (M, K)");
   const int64_t m = x.size(0), k = x.size(1), n = codes.size(0), nb = k / QBLOCK;
@@ -984,7 +985,7 @@ torch::Tensor q8act_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor s
   acc_buf.resize(m * n);
   int8_t* xq = xq_buf.data();
   float *dx = dx_buf.data(), *xs = xs_buf.data(), *acc = acc_buf.data();
-  auto out = torch::empty({m, n}, x.options());
+  auto out = at::empty({m, n}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "q8act_quantize", [&] {
     for (int64_t r = 0; r < m; ++r)
       quantize_row<scalar_t>(x.data_ptr<scalar_t>() + r * k, k, q4, xq + r * k, dx + r * nb, xs + r * nb);
@@ -1012,99 +1013,4 @@ torch::Tensor q8act_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor s
     for (int64_t i = 0; i < m * n; ++i) o[i] = static_cast<scalar_t>(acc[i]);
   });
   return out;
-}
-
-// ---------------------------------------------------------------------------------------------------------
-// A whole decode step's decoder layers in one call (models/llama.py `DecodePlan`): the same kernels, in the same
-// order, with the same rounding as the model's Python forward, which made ~10 Python-level calls a layer (a
-// module call, an argument check, a dispatch each: ~2 ms of a ~10 ms single-stream token on 2 cores). Built once
-// over the model's tensors; each step passes only what changes (the tokens' embeddings, positions and the
-// attention metadata). A linear layer is dense (at::linear on its weight and bias) or an int8-activation kernel's
-// codes (q8act_linear, int4 or int8), bias added after it as QuantizedLinear adds it.
-
-struct PlanLinear {
-  int64_t kind;  // 0 dense, 1 q8act int4, 2 q8act int8
-  torch::Tensor w, scales, mins, bias;  // dense: w (N, K); q8act: w the codes. bias: numel 0 for none
-
-  torch::Tensor operator()(const torch::Tensor& x) const {
-    if (kind == 0) return at::linear(x, w, bias.numel() ? c10::optional<torch::Tensor>(bias) : c10::nullopt);
-    auto y = q8act_linear(x.is_contiguous() ? x : x.contiguous(), w, scales, mins, kind == 1, true);
-    return bias.numel() ? y + bias : y;
-  }
-};
-
-struct PlanLayer {
-  torch::Tensor input_norm, post_norm, k_cache, v_cache;
-  PlanLinear qkv, o, gate_up, down;
-  int64_t window;
-};
-
-class DecodePlan {
- public:
-  // Per layer, 20 tensors: input_norm, post_norm, k_cache, v_cache, then (w, scales, mins, bias) of qkv, o,
-  // gate_up and down; `kinds` 4 per layer, `windows` one (0: full attention).
-  DecodePlan(const std::vector<torch::Tensor>& tensors, const std::vector<int64_t>& kinds,
-             const std::vector<int64_t>& windows, int64_t num_heads, int64_t num_kv_heads, double scale, double eps)
-      : nh_(num_heads), nkv_(num_kv_heads), scale_(scale), eps_(eps) {
-    const size_t n = windows.size();
-    TORCH_CHECK(tensors.size() == 20 * n && kinds.size() == 4 * n, "DecodePlan: 20 tensors and 4 kinds a layer");
-    for (size_t i = 0; i < n; ++i) {
-      const torch::Tensor* t = tensors.data() + 20 * i;
-      auto linear = [&](int j) {
-        const int64_t kind = kinds[4 * i + j];
-        TORCH_CHECK(kind >= 0 && kind <= 2, "DecodePlan: a linear layer is dense (0) or q8act int4/int8 (1/2)");
-        return PlanLinear{kind, t[4 + 4 * j], t[5 + 4 * j], t[6 + 4 * j], t[7 + 4 * j]};
-      };
-      layers_.push_back(PlanLayer{t[0], t[1], t[2], t[3], linear(0), linear(1), linear(2), linear(3),
-                                  windows[i]});
-    }
-  }
-
-  // x (T, h): the tokens' embeddings, updated in place as the residual stream -> the hidden states before the
-  // final norm. Every row a decode row (no prefill span).
-  torch::Tensor run(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
-                    torch::Tensor slots, torch::Tensor block_tables, torch::Tensor seq_lens,
-                    torch::Tensor query_start) const {
-    TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "DecodePlan.run: x must be contiguous (T, h)");
-    torch::Tensor delta;
-    for (const PlanLayer& l : layers_) {
-      auto hidden = delta.defined() ? add_rms_norm(x, delta, l.input_norm, eps_) : rms_norm(x, l.input_norm, eps_);
-      auto attn = rope_decode_attention(l.qkv(hidden).contiguous(), positions, cos, sin, l.k_cache, l.v_cache,
-                                        slots, block_tables, seq_lens, query_start, nh_, nkv_, scale_, l.window);
-      hidden = add_rms_norm(x, l.o(attn).contiguous(), l.post_norm, eps_);
-      delta = l.down(silu_mul(l.gate_up(hidden).contiguous()));
-    }
-    return delta.defined() ? x + delta : x;
-  }
-
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
-
- private:
-  std::vector<PlanLayer> layers_;
-  int64_t nh_, nkv_;
-  double scale_, eps_;
-};
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // Release the GIL like PyTorch's own ops: the server's event loop runs while the engine thread computes.
-  m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
-        py::arg("block_tables"), py::arg("seq_lens"), py::arg("query_start"), py::arg("scale"),
-        py::arg("window") = 0, py::call_guard<py::gil_scoped_release>());
-  m.def("paged_decode_attention_int8", &paged_decode_attention_int8, py::arg("q"), py::arg("k_cache"),
-        py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"), py::arg("block_tables"), py::arg("seq_lens"),
-        py::arg("query_start"), py::arg("scale"), py::arg("window") = 0, py::call_guard<py::gil_scoped_release>());
-  m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>());
-  m.def("int4pack_dequantize_t", &int4pack_dequantize_t, py::call_guard<py::gil_scoped_release>());
-  m.def("add_rms_norm", &add_rms_norm, py::call_guard<py::gil_scoped_release>());
-  m.def("silu_mul", &silu_mul, py::call_guard<py::gil_scoped_release>());
-  m.def("rope_write_kv", &rope_write_kv, py::call_guard<py::gil_scoped_release>());
-  m.def("rope_decode_attention", &rope_decode_attention, py::call_guard<py::gil_scoped_release>());
-  m.def("q8act_linear", &q8act_linear, py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("mins"),
-        py::arg("q4"), py::arg("fast") = true, py::call_guard<py::gil_scoped_release>());
-  m.def("q8act_fast_path", &q8act_fast_path);
-  py::class_<DecodePlan>(m, "DecodePlan")
-      .def(py::init<const std::vector<torch::Tensor>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
-                    int64_t, int64_t, double, double>())
-      .def("run", &DecodePlan::run, py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("num_layers", &DecodePlan::num_layers);
 }

@@ -1,0 +1,100 @@
+// The CPU kernels' interface: what cpu_kernels.cpp defines and bindings.cpp hands to Python. Split from the
+// bindings so the kernels' translation unit includes ATen only (~6 s of headers) and the two compile in
+// parallel: a first build took 41 s as one file with torch/extension.h on 2 cores, ~21 s split.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+// Decode attention from the paged KV cache (layouts at the top of cpu_kernels.cpp); window 0: full attention.
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                                  at::Tensor seq_lens, at::Tensor query_start, double scale, int64_t window);
+at::Tensor paged_decode_attention_int8(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor k_scale,
+                                       at::Tensor v_scale, at::Tensor block_tables, at::Tensor seq_lens,
+                                       at::Tensor query_start, double scale, int64_t window);
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
+at::Tensor int4pack_dequantize_t(at::Tensor packed, at::Tensor scales_and_zeros, int64_t group_size,
+                                 int64_t block_n, bool full_halves, bool planes);
+at::Tensor add_rms_norm(at::Tensor x, at::Tensor delta, at::Tensor weight, double eps);
+at::Tensor silu_mul(at::Tensor gate_up);
+at::Tensor rope_write_kv(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor k_cache,
+                         at::Tensor v_cache, at::Tensor slots, int64_t num_heads, int64_t num_kv_heads);
+at::Tensor rope_decode_attention(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::Tensor sin,
+                                 at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots, at::Tensor block_tables,
+                                 at::Tensor seq_lens, at::Tensor query_start, int64_t num_heads,
+                                 int64_t num_kv_heads, double scale, int64_t window);
+bool q8act_fast_path();
+at::Tensor q8act_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor mins, bool q4, bool fast);
+
+// ---------------------------------------------------------------------------------------------------------
+// A whole decode step's decoder layers in one call (models/llama.py `DecodePlan`): the same kernels, in the same
+// order, with the same rounding as the model's Python forward, which made ~10 Python-level calls a layer (a
+// module call, an argument check, a dispatch each: ~2 ms of a ~10 ms single-stream token on 2 cores). Built once
+// over the model's tensors; each step passes only what changes (the tokens' embeddings, positions and the
+// attention metadata). A linear layer is dense (at::linear on its weight and bias) or an int8-activation kernel's
+// codes (q8act_linear, int4 or int8), bias added after it as QuantizedLinear adds it.
+
+struct PlanLinear {
+  int64_t kind;  // 0 dense, 1 q8act int4, 2 q8act int8
+  at::Tensor w, scales, mins, bias;  // dense: w (N, K); q8act: w the codes. bias: numel 0 for none
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    if (kind == 0) return at::linear(x, w, bias.numel() ? c10::optional<at::Tensor>(bias) : c10::nullopt);
+    auto y = q8act_linear(x.is_contiguous() ? x : x.contiguous(), w, scales, mins, kind == 1, true);
+    return bias.numel() ? y + bias : y;
+  }
+};
+
+struct PlanLayer {
+  at::Tensor input_norm, post_norm, k_cache, v_cache;
+  PlanLinear qkv, o, gate_up, down;
+  int64_t window;
+};
+
+class DecodePlan {
+ public:
+  // Per layer, 20 tensors: input_norm, post_norm, k_cache, v_cache, then (w, scales, mins, bias) of qkv, o,
+  // gate_up and down; `kinds` 4 per layer, `windows` one (0: full attention).
+  DecodePlan(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& kinds,
+             const std::vector<int64_t>& windows, int64_t num_heads, int64_t num_kv_heads, double scale, double eps)
+      : nh_(num_heads), nkv_(num_kv_heads), scale_(scale), eps_(eps) {
+    const size_t n = windows.size();
+    TORCH_CHECK(tensors.size() == 20 * n && kinds.size() == 4 * n, "DecodePlan: 20 tensors and 4 kinds a layer");
+    for (size_t i = 0; i < n; ++i) {
+      const at::Tensor* t = tensors.data() + 20 * i;
+      auto linear = [&](int j) {
+        const int64_t kind = kinds[4 * i + j];
+        TORCH_CHECK(kind >= 0 && kind <= 2, "DecodePlan: a linear layer is dense (0) or q8act int4/int8 (1/2)");
+        return PlanLinear{kind, t[4 + 4 * j], t[5 + 4 * j], t[6 + 4 * j], t[7 + 4 * j]};
+      };
+      layers_.push_back(PlanLayer{t[0], t[1], t[2], t[3], linear(0), linear(1), linear(2), linear(3),
+                                  windows[i]});
+    }
+  }
+
+  // x (T, h): the tokens' embeddings, updated in place as the residual stream -> the hidden states before the
+  // final norm. Every row a decode row (no prefill span).
+  at::Tensor run(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin,
+                    at::Tensor slots, at::Tensor block_tables, at::Tensor seq_lens,
+                    at::Tensor query_start) const {
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "DecodePlan.run: x must be contiguous (T, h)");
+    at::Tensor delta;
+    for (const PlanLayer& l : layers_) {
+      auto hidden = delta.defined() ? add_rms_norm(x, delta, l.input_norm, eps_) : rms_norm(x, l.input_norm, eps_);
+      auto attn = rope_decode_attention(l.qkv(hidden).contiguous(), positions, cos, sin, l.k_cache, l.v_cache,
+                                        slots, block_tables, seq_lens, query_start, nh_, nkv_, scale_, l.window);
+      hidden = add_rms_norm(x, l.o(attn).contiguous(), l.post_norm, eps_);
+      delta = l.down(silu_mul(l.gate_up(hidden).contiguous()));
+    }
+    return delta.defined() ? x + delta : x;
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  std::vector<PlanLayer> layers_;
+  int64_t nh_, nkv_;
+  double scale_, eps_;
+};
