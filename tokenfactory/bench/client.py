@@ -280,15 +280,19 @@ async def send_request(session: aiohttp.ClientSession, target: Target, request: 
 
 async def _read_lines(response: aiohttp.ClientResponse, stream: _Stream) -> None:
     """Feed the body to `stream` line by line, split here: aiohttp's own line reader refuses a line longer
-    than its buffer (64 KiB), which a chunk with many logprobs can be."""
-    rest = b""
+    than its buffer (64 KiB), which a chunk with many logprobs can be. Each byte is searched once, however
+    many reads a long line takes."""
+    buf = bytearray()
     async for data in response.content.iter_any():
-        lines = (rest + data).split(b"\n")
-        rest = lines.pop()
-        for line in lines:
-            stream.feed(line.decode("utf-8", errors="replace"))
-    if rest:
-        stream.feed(rest.decode("utf-8", errors="replace"))
+        searched = len(buf)
+        buf += data
+        start = 0
+        while (end := buf.find(b"\n", max(start, searched))) >= 0:
+            stream.feed(buf[start:end].decode("utf-8", errors="replace"))
+            start = end + 1
+        del buf[:start]
+    if buf:
+        stream.feed(buf.decode("utf-8", errors="replace"))
 
 
 def _fail(sample: RequestSample, kind: str, message: str) -> RequestSample:
