@@ -312,3 +312,25 @@ def test_auto_on_an_hf_folder_changes_nothing(tmp_path) -> None:
     summary = apply_quantization(model, "auto", raw_gguf=loaded.raw_gguf, dtype=torch.bfloat16, device=CPU)
     assert summary.num_quantized_layers == 0
     assert not any(isinstance(m, QuantizedLinear) for m in model.modules())
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_prepacked_dense_path_is_f_linear_bit_for_bit(with_bias, monkeypatch) -> None:
+    """The dense copy in oneDNN's own layout (up to PREPACKED_MAX_ROWS rows) gives F.linear's bits at every row
+    count, with and without a bias; past it, and with TOKENFACTORY_PREPACK=0, F.linear runs itself."""
+    bias = torch.randn(576, dtype=torch.bfloat16) if with_bias else None
+    layer = build(quantize_int4(torch.randn(576, 1536), 32), bias=bias)
+    if layer._prepacked is None:
+        pytest.skip("this torch/CPU gives no prepacked oneDNN weight equal to F.linear's (the dense path is F.linear)")
+    dense = layer.dense.weight()
+    for rows in (1, 5, 17, 48, 100, quant.PREPACKED_MAX_ROWS, quant.PREPACKED_MAX_ROWS + 1, 600):
+        x = torch.randn(rows, 1536, dtype=torch.bfloat16)
+        assert torch.equal(layer.dense_linear(x), torch.nn.functional.linear(x, dense, bias)), rows
+    used: list[int] = []
+    real = quant.prepacked_linear
+    monkeypatch.setattr(quant, "prepacked_linear", lambda x, p, b: used.append(x.shape[0]) or real(x, p, b))
+    for rows in (40, quant.PREPACKED_MAX_ROWS + 1):
+        layer(torch.randn(rows, 1536, dtype=torch.bfloat16))
+    assert used == [40]
+    monkeypatch.setenv("TOKENFACTORY_PREPACK", "0")
+    assert build(quantize_int4(torch.randn(64, 64), 32))._prepacked is None
