@@ -591,23 +591,31 @@ class DenseCopy(nn.Module):
 PREPACKED_MAX_ROWS = 256
 
 
+_PROBED: dict[tuple[int, int, bool], bool] = {}  # (N, K, bias or not) -> whether the two paths gave the same bits
+
+
 def prepack_dense(weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """`weight` (N, K) bf16 on the CPU in oneDNN's layout for `_linear_pointwise`, or None where this torch has no
-    oneDNN or the two paths (with this bias) disagree on a probe at 1, 48 and 256 rows (then F.linear stays the
-    only dense path); TOKENFACTORY_PREPACK=0 turns it off."""
+    oneDNN or the two paths (with a bias or not) disagree on a probe at 1, 48 and 256 rows: then F.linear stays the
+    only dense path. The kernels oneDNN picks depend on the shapes, so a shape is probed once, on the first weight
+    of that shape (a model's 30 layers of each shape cost one probe, not 30). TOKENFACTORY_PREPACK=0 turns it off."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2 \
             or os.environ.get("TOKENFACTORY_PREPACK", "1") == "0" or not torch.backends.mkldnn.is_available():
         return None
+    key = (weight.shape[0], weight.shape[1], bias is not None)
+    if _PROBED.get(key) is False:
+        return None
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
-        probe = torch.randn(PREPACKED_MAX_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0))
-        probe = probe.to(torch.bfloat16)
-        for rows in (1, 48, PREPACKED_MAX_ROWS):
-            if not torch.equal(prepacked_linear(probe[:rows], packed, bias), F.linear(probe[:rows], weight, bias)):
-                return None
+        if key not in _PROBED:
+            probe = torch.randn(PREPACKED_MAX_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0))
+            probe = probe.to(torch.bfloat16)
+            same = (torch.equal(prepacked_linear(probe[:rows], packed, bias), F.linear(probe[:rows], weight, bias))
+                    for rows in (1, 48, PREPACKED_MAX_ROWS))
+            _PROBED[key] = all(same)
     except (RuntimeError, AttributeError):  # no such op in this build, or it refused the weight
-        return None
-    return packed
+        _PROBED[key] = False
+    return packed if _PROBED[key] else None
 
 
 def prepacked_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
