@@ -316,8 +316,9 @@ def test_auto_on_an_hf_folder_changes_nothing(tmp_path) -> None:
 
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_the_prepacked_dense_path_is_f_linear_bit_for_bit(with_bias, monkeypatch) -> None:
-    """The dense copy in oneDNN's own layout (up to PREPACKED_MAX_ROWS rows) gives F.linear's bits at every row
-    count, with and without a bias; past it, and with TOKENFACTORY_PREPACK=0, F.linear runs itself."""
+    """The dense copy in oneDNN's own layout (up to PREPACKED_MAX_ROWS rows, with TOKENFACTORY_PREPACK=1) gives
+    F.linear's bits at every row count, with and without a bias; past it, and without the opt-in, F.linear runs."""
+    monkeypatch.setenv("TOKENFACTORY_PREPACK", "1")
     bias = torch.randn(576, dtype=torch.bfloat16) if with_bias else None
     layer = build(quantize_int4(torch.randn(576, 1536), 32), bias=bias)
     if layer._prepacked is None:
@@ -332,5 +333,5 @@ def test_the_prepacked_dense_path_is_f_linear_bit_for_bit(with_bias, monkeypatch
     for rows in (40, quant.PREPACKED_MAX_ROWS + 1):
         layer(torch.randn(rows, 1536, dtype=torch.bfloat16))
     assert used == [40]
-    monkeypatch.setenv("TOKENFACTORY_PREPACK", "0")
+    monkeypatch.delenv("TOKENFACTORY_PREPACK")
     assert build(quantize_int4(torch.randn(64, 64), 32))._prepacked is None

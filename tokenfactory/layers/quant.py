@@ -586,8 +586,10 @@ class DenseCopy(nn.Module):
 
 # The dense copy handed to oneDNN already in its own blocked layout: F.linear on a plain bf16 weight reorders it on
 # every call, which at decode's 16-256 rows is a third of the matmul (a step's 30 layers at 48 rows, cycled through
-# memory: 23.5 -> 15.0 ms on a 2-vCPU Sapphire Rapids; the 49,152-row LM head 5.1 -> 2.4 ms), the same bits. Past
-# PREPACKED_MAX_ROWS the two measured level and oneDNN picks another kernel (other bits): F.linear there, as before.
+# memory: 23.5 -> 15.0 ms on the 2-vCPU Xeon of docs/benchmarks.md; the 49,152-row LM head 5.1 -> 2.4 ms), the same
+# bits. Past PREPACKED_MAX_ROWS the two measured level and oneDNN picks another kernel (other bits): F.linear there.
+# Opt-in (TOKENFACTORY_PREPACK=1) until the planner counts it: the packed weight is a second dense copy (~270 MB
+# on the bundled model) that layers/weight_bytes.py and engine/placement.py do not know of yet.
 PREPACKED_MAX_ROWS = 256
 
 
@@ -598,9 +600,9 @@ def prepack_dense(weight: torch.Tensor, bias: torch.Tensor | None = None) -> tor
     """`weight` (N, K) bf16 on the CPU in oneDNN's layout for `_linear_pointwise`, or None where this torch has no
     oneDNN or the two paths (with a bias or not) disagree on a probe at 1, 48 and 256 rows: then F.linear stays the
     only dense path. The kernels oneDNN picks depend on the shapes, so a shape is probed once, on the first weight
-    of that shape (a model's 30 layers of each shape cost one probe, not 30). TOKENFACTORY_PREPACK=0 turns it off."""
+    of that shape (a model's 30 layers of each shape cost one probe, not 30). Only with TOKENFACTORY_PREPACK=1."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2 \
-            or os.environ.get("TOKENFACTORY_PREPACK", "1") == "0" or not torch.backends.mkldnn.is_available():
+            or os.environ.get("TOKENFACTORY_PREPACK", "0") != "1" or not torch.backends.mkldnn.is_available():
         return None
     key = (weight.shape[0], weight.shape[1], bias is not None)
     if _PROBED.get(key) is False:
