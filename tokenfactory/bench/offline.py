@@ -181,15 +181,16 @@ def run_hf(args: argparse.Namespace, workload: list[tuple[list[int], int]], dtyp
             "single_stream": {"decode_tokens_per_s": (args.single_output_len - 1) / decode_s}}
 
 
-def probe_hf_dtypes(args: argparse.Namespace, workload: list[tuple[list[int], int]]) -> tuple[dict[str, float], Any]:
+def probe_hf_dtypes(args: argparse.Namespace, workload: list[tuple[list[int], int]]) \
+        -> tuple[dict[str, float], str, Any]:
     """Output tok/s of HF `generate` in each of HF_PROBED on the workload's first static batch (HF_PROBE_TOKENS new
-    tokens each, after a warm-up): which dtype the baseline runs fastest in on this machine; and that dtype's model,
-    kept for the run (a GGUF loads in transformers in ~10 s)."""
+    tokens each, after a warm-up); the dtype the baseline runs fastest in on this machine (the first of equals), and
+    its model, kept for the run (a GGUF loads in transformers in ~10 s)."""
     import torch
 
     batch = [p for p, _ in workload[:args.hf_batch_size]]
     rates: dict[str, float] = {}
-    fastest = None
+    fastest, fastest_model = "", None
     for dtype in HF_PROBED:
         model = load_hf(args.model, dtype)
         model.generation_config.pad_token_id = 0
@@ -198,10 +199,10 @@ def probe_hf_dtypes(args: argparse.Namespace, workload: list[tuple[list[int], in
             t = time.perf_counter()
             _hf_generate(model, batch, HF_PROBE_TOKENS, 0)
             rates[dtype] = round(HF_PROBE_TOKENS * len(batch) / (time.perf_counter() - t), 1)
-        if fastest is None or rates[dtype] > max(r for d, r in rates.items() if d != dtype):
-            fastest = model  # the first of equals, as max() picks the dtype
+        if not fastest or rates[dtype] > rates[fastest]:
+            fastest, fastest_model = dtype, model
         del model
-    return rates, fastest
+    return rates, fastest, fastest_model
 
 
 def _hf_generate(model: Any, prompts: list[list[int]], max_new: int, pad: int) -> None:
@@ -248,8 +249,8 @@ def main(args: argparse.Namespace) -> int:
         "tokenfactory": ours}
     if not args.skip_hf:
         if args.hf_dtype == "auto":
-            probe, model = probe_hf_dtypes(args, workload)
-            hf = run_hf(args, workload, max(probe, key=probe.__getitem__), model)
+            probe, dtype, model = probe_hf_dtypes(args, workload)
+            hf = run_hf(args, workload, dtype, model)
             hf["dtype_probe_tok_s"] = probe
         else:
             hf = run_hf(args, workload, args.hf_dtype)

@@ -85,12 +85,12 @@ async def run_bench(spec: BenchSpec, requests: Sequence[BenchRequest], warmup: S
         fatal = next((s for s in warm if s.error_kind in ("connect", "auth")), None)
         if fatal is not None:
             return _aborted(spec, requests, info, f"warm-up failed: {fatal.error}", target)
-        return await _measure(spec, target, info, (client, session), requests, tokenizer, warm)
+        return await _measure(spec, target, info, client, session, requests, tokenizer, warm)
 
 
-async def _measure(spec: BenchSpec, target: Target, info: TargetInfo, clients: tuple[Any, Any],
+async def _measure(spec: BenchSpec, target: Target, info: TargetInfo, client: Any, session: Any,
                    requests: Sequence[BenchRequest], tokenizer: Any, warm: list[RequestSample]) -> RunResult:
-    client, session = clients  # httpx for GETs, aiohttp for the streams
+    """`client` (httpx) for the GETs: /metrics and the memory sampler; `session` (aiohttp) for the streams."""
     pid = spec.server_pid or (find_listening_pid(target.base_url) if is_loopback(target.base_url) else None)
     before = await scrape(client, target.base_url, target.headers())
     power = LocalPower(spec.power_source, pid) if spec.power_source != "none" else None
