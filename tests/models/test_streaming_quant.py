@@ -6,6 +6,7 @@ budget from what the weights leave."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from tokenfactory.config import EngineConfig
 from tokenfactory.engine.engine import LLMEngine
 from tokenfactory.engine.memory import kv_budget_after_weights
 from tokenfactory.engine.placement import planned_weight_bytes
+from tokenfactory.layers.quant import QuantizedLinear, prepack_available
 from tokenfactory.models.loader import load_model
 from tokenfactory.planner.doctor import PreflightError, preflight
 
@@ -37,14 +39,22 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.parametrize("scheme", ["none", "int8", "int4", "int4-g64"])
-@pytest.mark.parametrize("dense", ["copy", "on-the-fly"])
+@pytest.mark.parametrize("dense", ["prepacked", "copy", "on-the-fly"])
 def test_planned_bytes_are_the_placed_bytes(tiny, scheme, dense):
-    config = EngineConfig(quantization=scheme, quantization_dense=dense, kv_cache_memory=4 * MiB, max_model_len=64)
+    config = EngineConfig(quantization=scheme, quantization_dense=dense, kv_cache_memory=4 * MiB, max_model_len=64,
+                          dtype="bfloat16")
     engine = LLMEngine(config, tiny)
     assert engine.weight_bytes - rope_bytes(engine) == planned_weight_bytes(tiny, config, engine.device, engine.dtype)
+    if dense == "prepacked" and scheme != "none" and prepack_available("cpu", torch.bfloat16):
+        # the second copy is there, and counted: one more dense copy's bytes than "copy"
+        copy = dataclasses.replace(config, quantization_dense="copy")
+        extra = planned_weight_bytes(tiny, config, engine.device, engine.dtype) - \
+            planned_weight_bytes(tiny, copy, engine.device, engine.dtype)
+        assert extra > 0 and extra == sum(m.prepacked_bytes for m in engine.runner.model.modules()
+                                          if isinstance(m, QuantizedLinear))
 
 
-@pytest.mark.parametrize("scheme,dense", [("auto", "copy"), ("int4", "on-the-fly")])
+@pytest.mark.parametrize("scheme,dense", [("auto", "prepacked"), ("auto", "copy"), ("int4", "on-the-fly")])
 def test_planned_bytes_on_the_bundled_gguf(bundled, scheme, dense):
     # "auto" keeps the file's own Q4_1/Q8_0 blocks; the tied head's dense copy is the embedding itself.
     # No machine profile: bytes do not depend on kernel crossovers (measuring one was most of the 28 s).
@@ -57,7 +67,7 @@ def test_planned_bytes_on_the_bundled_gguf(bundled, scheme, dense):
 
 
 @pytest.mark.parametrize("scheme,precision", [("int8", "int8"), ("int4", "int4-g32"), ("int4-g64", "int4-g64")])
-@pytest.mark.parametrize("dense", ["copy", "on-the-fly"])
+@pytest.mark.parametrize("dense", ["prepacked", "copy", "on-the-fly"])
 def test_the_planner_counts_the_engines_bytes(tiny, scheme, precision, dense):
     # `tokenfactory plan`'s engine figure and the start-up check share one accounting (layers/weight_bytes.py).
     from tokenfactory.planner.memory import engine_weight_bytes
@@ -131,6 +141,28 @@ def test_the_start_up_check_counts_the_quantized_bytes(tiny, monkeypatch):
     assert config.quantization_dense == "on-the-fly"
     monkeypatch.setattr(memory, "free_memory_bytes", lambda device: 10 * full)  # room for the copy: kept
     assert load_checked(serve_args(*common, "--quantization", "int4"))[0].quantization_dense == "copy"
+
+
+@pytest.mark.skipif(not prepack_available("cpu", torch.bfloat16), reason="no oneDNN: prepacked is the plain copy")
+def test_auto_keeps_the_prepacked_copy_where_it_fits_else_steps_down(tiny, monkeypatch):
+    # bf16 on a CPU: auto keeps oneDNN's copy beside the plain one where both fit, the plain copy where only that
+    # does, the codes alone below that; each step is what the check's plan counted.
+    import tokenfactory.engine.memory as memory
+    from tokenfactory.serve.engine import load_checked
+
+    path, dev, dt = str(tiny.path), torch.device("cpu"), torch.bfloat16
+    sizes = {d: planned_weight_bytes(tiny, EngineConfig(model=path, dtype="bfloat16", quantization="int4",
+                                                        quantization_dense=d), dev, dt)
+             for d in ("prepacked", "copy", "on-the-fly")}
+    assert sizes["prepacked"] > sizes["copy"] > sizes["on-the-fly"]
+    common = ("--model", path, "--dtype", "bfloat16", "--max-model-len", "64", "--kv-cache-memory", "65536",
+              "--quantization", "int4")
+    for free, kept in ((10 * sizes["prepacked"], "prepacked"), ((sizes["prepacked"] + sizes["copy"]) // 2, "copy"),
+                       ((sizes["copy"] + sizes["on-the-fly"]) // 2, "on-the-fly")):
+        monkeypatch.setattr(memory, "free_memory_bytes", lambda device, free=free: free)
+        assert load_checked(serve_args(*common))[0].quantization_dense == kept, free
+    with pytest.raises(PreflightError):  # asked for by name, it is not stepped down
+        load_checked(serve_args(*common, "--quantization-dense", "prepacked"))
 
 
 def test_the_default_kv_budget_is_a_share_of_what_the_weights_leave():

@@ -123,10 +123,11 @@ def test_the_module_runs_as_a_program():
     assert json.loads(result.stdout)["memory"]["fits"] is True
 
 
-def test_plan_fits_with_our_engines_bytes_when_asked(capsys):
+def test_plan_fits_with_our_engines_bytes_when_asked(capsys, tmp_path):
     """--engine tokenfactory: what fits is decided with the engine's own int4 accounting (the start-up check's), in
-    the form `serve --quantization-dense auto` keeps: on a CPU the dense copy where it fits and on-the-fly where
-    only that does; on a GPU on-the-fly whenever the copy would make int4 bigger than bf16 (finding 6 of #30)."""
+    the form `serve --quantization-dense auto` keeps: on a CPU the first of the prepacked copy (plain and oneDNN's),
+    the copy and on-the-fly that fits; on a GPU on-the-fly whenever the copy would make int4 bigger than bf16
+    (finding 6 of #30)."""
     def plan(*extra, max_len="4096"):
         code, out, _ = run(capsys, "plan", "Llama-3.1-8B", "--quantization", "int4-g32", "--max-model-len", max_len,
                            "--json", *extra)
@@ -139,8 +140,31 @@ def test_plan_fits_with_our_engines_bytes_when_asked(capsys):
     assert reference["memory"]["weights_bytes"] < lean < bf16["memory"]["weights_bytes"] < copy
     assert ours["memory"]["weights_bytes"] == lean and ours["memory"]["fits"]  # 80 GB holds the copy: not kept
     assert any("more than bf16's" in n and "on-the-fly" in n for n in ours["notes"])
-    # A CPU server keeps the copy where it fits (its packed kernels lose to dense GEMMs at large batches).
+    # A CPU server keeps the copy where it fits (its packed kernels lose to dense GEMMs at large batches), and
+    # oneDNN's prepacked copy beside it where that fits too.
     cpu = plan("--device", "CPU-Xeon-8480-2S", "--engine", "tokenfactory")
-    assert cpu["memory"]["weights_bytes"] == cpu["engine_weights_bytes"]["copy"] and not cpu["notes"]
+    forms = cpu["engine_weights_bytes"]
+    assert list(forms) == ["prepacked", "copy", "on-the-fly"]
+    assert forms["prepacked"] > forms["copy"] > forms["on-the-fly"]
+    assert cpu["memory"]["weights_bytes"] == forms["prepacked"] and not cpu["notes"]
+    # A 32 GiB CPU host (the same server, less memory): 8B int4 with two dense copies (~36 GB) does not fit, with
+    # one (~21 GB) it does, and the plan says which form serve's auto keeps and why.
+    small = tmp_path / "small.toml"
+    small.write_text("""[[device]]
+name = "CPU-32G"
+kind = "cpu"
+host = "none"
+description = "a 32 GiB CPU host"
+memory_gib = { value = 32, source = "test", date = "2026-12" }
+bandwidth_gbps = { value = 100, source = "test", date = "2026-12" }
+tflops_bf16 = { value = 10, source = "test", date = "2026-12" }
+tops_int8 = { value = 20, source = "test", date = "2026-12" }
+tflops_fp32 = { value = 2, source = "test", date = "2026-12" }
+tdp_w = { value = 200, source = "test", date = "2026-12" }
+idle_w = { value = 50, source = "test", date = "2026-12" }
+""")
+    mid = plan("--device", "CPU-32G", "--engine", "tokenfactory", "--catalog", str(small), max_len="1024")
+    assert mid["memory"]["weights_bytes"] == mid["engine_weights_bytes"]["copy"] and mid["memory"]["fits"]
+    assert any("twice" in n and "does not fit" in n and "with its dense copy (" in n for n in mid["notes"])
     with pytest.raises(SystemExit):
         main(["plan", "Llama-3.1-8B", "--device", "h100", "--engine", "vllm"])

@@ -31,8 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: the bundled model)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default="auto", help="weights: auto (a GGUF's own blocks), none, int8, int4")
-    p.add_argument("--quantization-dense", default="copy", choices=["copy", "on-the-fly"],
-                   help="quantized layers' large steps: a kept dense copy, or dequantized per call")
+    p.add_argument("--quantization-dense", default="prepacked", choices=["prepacked", "copy", "on-the-fly"],
+                   help="quantized layers' large steps: the dense copy and oneDNN's copy of it (what serve keeps on a "
+                        "CPU where it fits; the plain copy elsewhere), the dense copy, or dequantized per call")
     p.add_argument("--machine-profile", default="auto", choices=["auto", "remeasure", "off"],
                    help="the engine's measured kernel crossovers and thread policy (off: built-in constants)")
     p.add_argument("--num-requests", type=int, default=128)

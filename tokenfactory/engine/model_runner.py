@@ -27,7 +27,7 @@ from tokenfactory.engine.sequence import Draft, Sequence
 from tokenfactory.layers.attention import AttentionMetadata, PrefillSpan
 from tokenfactory.layers.cpu_kernels import paged_decode_kernel
 from tokenfactory.layers.kv_quant import SCALE_DTYPE, KVFormat
-from tokenfactory.layers.quant import QuantOptions, QuantSummary, step_rows
+from tokenfactory.layers.quant import QuantizedLinear, QuantOptions, QuantSummary, step_rows
 from tokenfactory.layers.quant_formats import RawGGUFTensors
 from tokenfactory.layers.rotary import Rotary
 from tokenfactory.models.llama import LlamaForCausalLM
@@ -198,7 +198,7 @@ class ModelRunner:
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
                 total += t.numel() * t.element_size()
-        return total
+        return total + sum(m.prepacked_bytes for m in self.model.modules() if isinstance(m, QuantizedLinear))
 
     def prepare(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> ModelInputs:
         """Flatten the step: the decode section first (single-token chunks and speculative chunks, a few rows

@@ -8,9 +8,9 @@ So the peak while loading is the model placed so far plus one piece in flight (a
 the checkpoint's float32 tensor, its cast, its quantized form), not
 the full-precision model next to the quantized one: `serve --quantization int4` loads a model that only fits
 once quantized (tests/models/test_streaming_quant.py measures the peak). What stays resident is exactly what the
-quantized layers keep: packed codes and scales, plus the dense copy that `QuantOptions.dense == "copy"` keeps
-for large steps (the measured crossovers in layers/quant.py); `planned_weight_bytes` (below)
-counts the same bytes before anything loads, for the start-up check.
+quantized layers keep: packed codes and scales, plus the dense copy that `QuantOptions.dense` "copy" keeps
+for large steps (the measured crossovers in layers/quant.py; "prepacked" keeps it twice, the second in oneDNN's
+layout); `planned_weight_bytes` (below) counts the same bytes before anything loads, for the start-up check.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from tokenfactory.layers.quant import (
     QuantOptions,
     QuantSummary,
     apply_quantization,
+    effective_dense,
     get_scheme,
     llama_linear_sources,
     pick_kernel,
@@ -44,7 +45,7 @@ from tokenfactory.layers.quant_formats import (
     UInt8Weight,
     concat_rows,
 )
-from tokenfactory.layers.weight_bytes import layer_bytes
+from tokenfactory.layers.weight_bytes import DENSE_COPIES, layer_bytes
 from tokenfactory.models.llama import MODEL_REGISTRY, LlamaForCausalLM
 from tokenfactory.models.loader import LoadedModel
 from tokenfactory.progress import track
@@ -175,7 +176,8 @@ def planned_weight_bytes(loaded: LoadedModel, config: EngineConfig, device: torc
     """The bytes `place_model` will keep for these settings (RoPE tables aside), from shapes alone: what the
     start-up check compares with free memory before a byte is loaded. tests/models/test_streaming_quant.py holds it
     equal to the placed model's."""
-    cfg, options = loaded.config, QuantOptions(dense=config.quantization_dense)
+    dense = effective_dense(config.quantization_dense, device.type, dtype)
+    cfg, options = loaded.config, QuantOptions(dense=dense)
     dtype_bytes = torch.tensor([], dtype=dtype).element_size()
     with torch.device("meta"):
         model = MODEL_REGISTRY[cfg.architecture](cfg, max_positions=1)
@@ -189,9 +191,9 @@ def planned_weight_bytes(loaded: LoadedModel, config: EngineConfig, device: torc
             planned.pop(path, None)
         if path in planned:
             total += _quantized_bytes(planned[path], device, options.dense, dtype_bytes)
-            if path == "lm_head" and cfg.tie_word_embeddings and options.dense == "copy" and \
+            if path == "lm_head" and cfg.tie_word_embeddings and options.dense in DENSE_COPIES and \
                     get_scheme(config.quantization).keeps_source:
-                total -= n * k * dtype_bytes  # the file's own head dequantizes to the embedding: one tensor
+                total -= n * k * dtype_bytes  # the file's own head dequantizes to the embedding: one plain tensor
         elif not (path == "lm_head" and cfg.tie_word_embeddings):  # a tied dense head is the embedding
             total += n * k * dtype_bytes
     return total

@@ -48,10 +48,11 @@ from tokenfactory.types import ParameterError
 
 logger = logging.getLogger(__name__)
 
-PROFILE_VERSION = 3  # 2: dense paths named by their class (on-the-fly from the packed codes is its own group);
-# 3: the dense copy's path is oneDNN's prepacked weight up to 256 rows (a faster dense path: crossovers move)
+PROFILE_VERSION = 4  # 2: dense paths named by their class (on-the-fly from the packed codes is its own group);
+# 3: crossovers timed against `dense_linear`; 4: the prepacked dense copy (oneDNN's layout) is its own group
 MODES = ("auto", "remeasure", "off")
-DENSE_NAMES = {"DenseCopy": "copy", "DequantizeOnTheFly": "on-the-fly", "DequantizeFromPacked": "from-packed"}
+DENSE_NAMES = {"PrepackedCopy": "prepacked", "DenseCopy": "copy", "DequantizeOnTheFly": "on-the-fly",
+               "DequantizeFromPacked": "from-packed"}
 ROWS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 THREAD_ROWS = (1, 2, 4, 8)
 MAX_LAYERS_PER_GROUP = 30

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import threading
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -94,8 +93,9 @@ def get_scheme(name: str) -> Scheme:
 @dataclass(frozen=True)
 class QuantOptions:
     """How quantized layers run. `dense`: "copy" keeps the dequantized weight for large steps (fast
-    batches, resident memory = packed + dense); "on-the-fly" dequantizes per large call (resident memory
-    = packed + codes, batches pay the dequantization)."""
+    batches, resident memory = packed + dense); "prepacked" that and oneDNN's own copy of it for steps of up to
+    256 rows (faster decode batches on a CPU, resident memory = packed + two dense; "copy" off the CPU or bf16);
+    "on-the-fly" dequantizes per large call (resident memory = packed + codes, batches pay the dequantization)."""
 
     dense: str = "copy"
     quantize_lm_head: bool = True
@@ -584,40 +584,35 @@ class DenseCopy(nn.Module):
         return lambda: dense
 
 
-# The dense copy handed to oneDNN already in its own blocked layout: F.linear on a plain bf16 weight reorders it on
-# every call, which at decode's 16-256 rows is a third of the matmul (a step's 30 layers at 48 rows, cycled through
-# memory: 23.5 -> 15.0 ms on the 2-vCPU Xeon of docs/benchmarks.md; the 49,152-row LM head 5.1 -> 2.4 ms), the same
-# bits. Past PREPACKED_MAX_ROWS the two measured level and oneDNN picks another kernel (other bits): F.linear there.
-# Opt-in (TOKENFACTORY_PREPACK=1) until the planner counts it: the packed weight is a second dense copy (~270 MB
-# on the bundled model) that layers/weight_bytes.py and engine/placement.py do not know of yet.
+class PrepackedCopy(DenseCopy):
+    """The dense copy, and beside it the same weight in oneDNN's own blocked layout (`prepack_dense`) for steps of
+    up to PREPACKED_MAX_ROWS rows: F.linear on a plain bf16 weight reorders it on every call, which at decode's
+    16-256 rows is a third of the matmul (a step's 30 layers at 48 rows, cycled through memory: 23.5 -> 15.0 ms on
+    the 2-vCPU Xeon of docs/benchmarks.md; the 49,152-row LM head 5.1 -> 2.4 ms). Past that the plain copy: there
+    F.linear's own choice measured faster on some shapes (a 960 x 576 layer at 1,024 rows: 0.54 against 0.83-0.93
+    ms), and turning the packed weight back per call costs 20-40% of the matmul. So resident memory is packed + two
+    dense copies: `--quantization-dense auto` keeps this where it fits (layers/weight_bytes.py `DENSE_ORDER`).
+    Only on a CPU, for bfloat16, where this torch has oneDNN (`effective_dense` makes it "copy" elsewhere)."""
+
+
 PREPACKED_MAX_ROWS = 256
 
 
-_PROBED: dict[tuple[int, int, bool], bool] = {}  # (N, K, bias or not) -> whether the two paths gave the same bits
+def prepack_available(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether a "prepacked" dense path can be kept here (else it is the plain "copy")."""
+    return (device_type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-def prepack_dense(weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """`weight` (N, K) bf16 on the CPU in oneDNN's layout for `_linear_pointwise`, or None where this torch has no
-    oneDNN or the two paths (with a bias or not) disagree on a probe at 1, 48 and 256 rows: then F.linear stays the
-    only dense path. The kernels oneDNN picks depend on the shapes, so a shape is probed once, on the first weight
-    of that shape (a model's 30 layers of each shape cost one probe, not 30). Only with TOKENFACTORY_PREPACK=1."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2 \
-            or os.environ.get("TOKENFACTORY_PREPACK", "0") != "1" or not torch.backends.mkldnn.is_available():
-        return None
-    key = (weight.shape[0], weight.shape[1], bias is not None)
-    if _PROBED.get(key) is False:
-        return None
-    try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
-        if key not in _PROBED:
-            probe = torch.randn(PREPACKED_MAX_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0))
-            probe = probe.to(torch.bfloat16)
-            same = (torch.equal(prepacked_linear(probe[:rows], packed, bias), F.linear(probe[:rows], weight, bias))
-                    for rows in (1, 48, PREPACKED_MAX_ROWS))
-            _PROBED[key] = all(same)
-    except (RuntimeError, AttributeError):  # no such op in this build, or it refused the weight
-        _PROBED[key] = False
-    return packed if _PROBED[key] else None
+def effective_dense(dense: str, device_type: str, dtype: torch.dtype) -> str:
+    """The dense path a layer really keeps for `QuantOptions.dense` (the engine's and the start-up check's)."""
+    return "copy" if dense == "prepacked" and not prepack_available(device_type, dtype) else dense
+
+
+def prepack_dense(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` (N, K) bf16 on the CPU in oneDNN's layout for `_linear_pointwise` (an opaque tensor: no storage,
+    so it is an attribute, not a buffer; `QuantizedLinear.prepacked_bytes` counts it)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, 64)
 
 
 def prepacked_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -698,6 +693,7 @@ class DequantizeFromQ8Act(nn.Module):
 
 
 DENSE_PATHS: dict[str, type[DenseCopy] | type[DequantizeOnTheFly]] = {
+    "prepacked": PrepackedCopy,
     "copy": DenseCopy,
     "on-the-fly": DequantizeOnTheFly,
 }
@@ -764,8 +760,7 @@ class QuantizedLinear(nn.Module):
         self._packed_fn = self.packed.bind() if self.packed is not None else None  # type: ignore[operator]
         self._dense_fn = self.dense.bind(self.packed)  # type: ignore[operator]
         self._bias, self._order = self.bias, self.input_order
-        kept = self.dense.dense if isinstance(self.dense, DenseCopy) else None
-        self._prepacked = prepack_dense(kept, self._bias) if kept is not None else None
+        self._prepacked = prepack_dense(self.dense.dense) if isinstance(self.dense, PrepackedCopy) else None
 
     def _apply(self, fn: Callable[..., torch.Tensor], recurse: bool = True) -> QuantizedLinear:
         super()._apply(fn, recurse)
@@ -784,8 +779,9 @@ class QuantizedLinear(nn.Module):
             check_group_size(w.group_size, w.shape[1], "this layer")
         kernel = pick_kernel(w, device)
         packed = kernel.build(w, device) if kernel else None
+        dense = effective_dense(dense, device.type, dtype)
         dense_path = dense_path_for(w, kernel, dense, old_weight, dtype, device)
-        max_rows = kernel.max_rows[dense] if kernel else 0
+        max_rows = kernel.max_rows.get(dense, kernel.max_rows["copy"]) if kernel else 0
         return cls(fmt, kernel, packed, dense_path, None if bias is None else bias.detach(), max_rows, w.shape,
                    order)
 
@@ -812,6 +808,11 @@ class QuantizedLinear(nn.Module):
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
         return y if self._bias is None else y + self._bias
+
+    @property
+    def prepacked_bytes(self) -> int:
+        """Bytes of oneDNN's copy of the dense weight (PrepackedCopy), which holds no storage a buffer count sees."""
+        return 0 if self._prepacked is None else self._prepacked.numel() * self._prepacked.element_size()
 
     @property
     def packed_bytes(self) -> int:

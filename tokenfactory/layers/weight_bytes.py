@@ -4,6 +4,7 @@ tests/models/test_streaming_quant.py) and the planner's engine figures (`tokenfa
 
     packed   the kernel's own buffers (layers/quant.py KERNELS), what a decode step reads
     copy     + the dequantized weight in the model's dtype, for large steps
+    prepacked  + that copy twice: plain, and in oneDNN's layout for steps of up to 256 rows (CPU, bfloat16)
     on-the-fly, from the packed buffer (CPU packed kernels)    + nothing
     on-the-fly, codes apart (CUDA, int8 per channel, no kernel)   + the codes and scales in the model's dtype
     act-order (a checkpoint's g_idx)                              + the input order, int64 per input
@@ -22,6 +23,14 @@ INT4_KERNEL_GROUPS = (32, 64, 128, 256)
 READS_PACKED = ("cpu-int4pack", "cpu-int8-as-int4-planes", "cpu-int5-as-int4-planes", "cpu-uint8-as-int4-planes",
                 "cpu-int4-q8act", "cpu-int8-q8act")
 INPUT_ORDER_BYTES = 8  # QuantizedLinear.input_order: int64 per input
+DENSE_COPIES = {"prepacked": 2, "copy": 1}  # dense paths that keep the dequantized weight, and how many times
+
+
+def dense_order(device_type: str) -> tuple[str, ...]:
+    """The dense paths `--quantization-dense auto` tries, fastest first, keeping the first whose weights fit (serve's
+    start-up check and `tokenfactory plan --engine tokenfactory` both ask this): oneDNN's prepacked copy beside the
+    plain one on a CPU, the plain copy, the codes alone. On CUDA `auto_dense` also weighs the copy against bf16."""
+    return ("prepacked", "copy", "on-the-fly") if device_type == "cpu" else ("copy", "on-the-fly")
 
 
 Q8ACT_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")  # csrc/cpu_kernels.cpp TF_Q8ACT_VNNI
@@ -75,8 +84,8 @@ def layer_bytes(fmt: str, n: int, k: int, group: int, kernel: str | None, dense:
     """What a QuantizedLinear of this format and shape keeps. `reads_packed`: whether on-the-fly reads the
     kernel's buffers (None: as READS_PACKED says); `reordered`: an act-order weight (its input order)."""
     packed = (packed_bytes(kernel, n, k, group) if kernel else 0) + (k * INPUT_ORDER_BYTES if reordered else 0)
-    if dense == "copy":
-        return packed + n * k * dtype_bytes
+    if dense in DENSE_COPIES:
+        return packed + DENSE_COPIES[dense] * n * k * dtype_bytes
     if reads_packed if reads_packed is not None else kernel in READS_PACKED:
         return packed
     # Codes apart: int4 two a byte, int5 one a byte, int8 the int8 kernel's own tensor when it has one;

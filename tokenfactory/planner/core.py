@@ -105,8 +105,9 @@ class Plan:
     recommendations: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
     # int8/int4: what tokenfactory's engine keeps for these weights on this kind of card, by its own accounting
-    # (the start-up check's): with the dense copy for large steps, and on-the-fly. None for other precisions.
-    engine_weights_bytes: tuple[int, int] | None = None
+    # (the start-up check's), per --quantization-dense form in the order auto tries them (layers/weight_bytes.py
+    # `dense_order`: on a CPU "prepacked", then "copy", "on-the-fly"). None for other precisions.
+    engine_weights_bytes: dict[str, int] | None = None
     # The modelled cost of this card (modelled speed), beside `cost` when that used a measured --tokens-per-second.
     modelled_on_demand_per_mtok: float | None = None
 

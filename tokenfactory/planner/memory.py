@@ -58,8 +58,9 @@ def engine_weight_bytes(model: ModelSpec, precision: str | None, device_kind: st
                         dtype_bytes: int = 2) -> int | None:
     """The bytes tokenfactory's engine keeps for `model` requantized to `precision` (int8, int4, int4-gG) on
     a `device_kind` card ("cpu" or "gpu", laid out as CUDA), from the shapes with the engine's own accounting
-    (layers/weight_bytes.py, what the start-up check counts: packed kernels, and the dense copy when `dense`
-    is "copy"); the embedding and norms stay in the model's dtype. None for any other precision."""
+    (layers/weight_bytes.py, what the start-up check counts: packed kernels, and the dense copy when
+    `dense` is "copy", twice when "prepacked"); the embedding and norms stay in the model's dtype. None for any
+    other precision."""
     if precision is None or not precision.startswith(("int8", "int4")):
         return None
     p = parse_precision(precision)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tokenfactory.layers.weight_bytes import auto_dense
+from tokenfactory.layers.weight_bytes import auto_dense, dense_order
 from tokenfactory.planner.catalog import Catalog, Device
 from tokenfactory.planner.core import Alternative, Plan, PlanRequest
 from tokenfactory.planner.cost import Power, estimate_cost, fleet_for_demand, monthly_bill, verdict
@@ -20,7 +20,8 @@ TP_COUNTS = (1, 2, 4, 8)
 
 def fitted_memory(req: PlanRequest, hw: Hardware) -> tuple[Weights, MemoryPlan, str | None]:
     """The weights as `req.engine` keeps them on `hw`, the memory plan they leave, and a note when our engine's
-    form (`serve --quantization-dense auto`: layers/weight_bytes.py `auto_dense`) is not the dense copy."""
+    form (`serve --quantization-dense auto`: layers/weight_bytes.py `dense_order` and `auto_dense`) is not its
+    first choice: on a CPU oneDNN's prepacked copy beside the plain one, elsewhere the plain copy."""
     weights = resolve_weights(req.model, req.precision)
     kv = parse_kv_dtype(req.kv_dtype, weights.precision)
 
@@ -30,19 +31,26 @@ def fitted_memory(req: PlanRequest, hw: Hardware) -> tuple[Weights, MemoryPlan, 
     ours = _engine_weights(req, hw) if req.engine == "tokenfactory" else None
     if ours is None:
         return weights, memory(weights), None
-    copy, lean = ours
-    with_copy = replace(weights, total_bytes=copy, label=f"{weights.label}, tokenfactory with its dense copy")
-    plan = memory(with_copy)
+    labels = {"prepacked": "with its dense copy twice (plain, and oneDNN's for decode batches)",
+              "copy": "with its dense copy", "on-the-fly": "on-the-fly"}
+    forms = list(ours)
     unquantized = resolve_weights(req.model, "bf16").total_bytes
     device_type = "cpu" if hw.device.kind == "cpu" else "cuda"
-    if auto_dense(device_type, copy, lean, int(unquantized), plan.fits) == "copy":
-        return with_copy, plan, None
-    lean_weights = replace(weights, total_bytes=lean, label=f"{weights.label}, tokenfactory on-the-fly")
-    why = (f"with its dense copy the weights would be {gib(copy)}, more than bf16's {gib(unquantized)}"
-           if plan.fits else f"the dense copy ({gib(copy)}) does not fit")
-    return lean_weights, memory(lean_weights), (
-        f"our engine keeps {weights.label} on-the-fly ({gib(lean)}: codes and scales, large steps dequantize): {why}; "
-        "this is what serve --quantization-dense auto chooses here")
+    for form in forms:
+        kept = replace(weights, total_bytes=ours[form], label=f"{weights.label}, tokenfactory {labels[form]}")
+        plan = memory(kept)
+        if form == "on-the-fly" or (plan.fits and auto_dense(device_type, ours["copy"], ours["on-the-fly"],
+                                                             int(unquantized), True) == "copy"):
+            break
+    if form == forms[0]:
+        return kept, plan, None
+    first = ours[forms[0]]
+    why = (f"with its dense copy the weights would be {gib(ours['copy'])}, more than bf16's {gib(unquantized)}"
+           if device_type == "cuda" and memory(replace(weights, total_bytes=ours["copy"])).fits
+           else f"{labels[forms[0]]} ({gib(first)}) does not fit")
+    return kept, plan, (
+        f"our engine keeps {weights.label} {labels[form]} ({gib(ours[form])}): {why}; "
+        f"this is what serve --quantization-dense auto chooses here")
 
 
 def make_plan(request: PlanRequest, catalog: Catalog | None = None) -> Plan:
@@ -79,10 +87,12 @@ def make_plan(request: PlanRequest, catalog: Catalog | None = None) -> Plan:
     return replace(plan, recommendations=tuple(recommend(plan)))
 
 
-def _engine_weights(req: PlanRequest, hw: Hardware) -> tuple[int, int] | None:
+def _engine_weights(req: PlanRequest, hw: Hardware) -> dict[str, int] | None:
+    """Our engine's weight bytes per --quantization-dense form, in the order auto tries them."""
     kind = hw.device.kind
-    copy, lean = (engine_weight_bytes(req.model, req.precision, kind, dense) for dense in ("copy", "on-the-fly"))
-    return None if copy is None or lean is None else (copy, lean)
+    sizes = {dense: engine_weight_bytes(req.model, req.precision, kind, dense)
+             for dense in dense_order("cpu" if kind == "cpu" else "cuda")}
+    return None if None in sizes.values() else sizes  # type: ignore[return-value]
 
 
 def _batch_sizes(max_num_seqs: int, kv_limit: int) -> tuple[int, ...]:

@@ -58,8 +58,10 @@ def _memory(plan: Plan) -> str:
         f"  KV cache         {gib(mem.kv_cache_bytes):>12}  = {count(mem.kv_capacity_tokens)} tokens at "
         f"{count(mem.kv_bytes_per_token / 1024)} KiB/token ({_kv_formula(plan)})",
         f"  fits             {fits}",
-    ] + ([f"  our engine       {gib(plan.engine_weights_bytes[0]):>12}  of weights with its dense copy for large "
-          f"steps, {gib(plan.engine_weights_bytes[1])} on-the-fly (--quantization-dense; all cards)"]
+    ] + ([f"  our engine       {gib(plan.engine_weights_bytes['copy']):>12}  of weights with its dense copy for "
+          f"large steps, {gib(plan.engine_weights_bytes['on-the-fly'])} on-the-fly"
+          + (f", {gib(plan.engine_weights_bytes['prepacked'])} prepacked" if "prepacked" in plan.engine_weights_bytes
+             else "") + " (--quantization-dense; all cards)"]
          if plan.engine_weights_bytes else []))
 
 
@@ -216,8 +218,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "ttft_s": plan.ttft_s, "tpot_s": plan.tpot_s, "tokens_per_s": plan.tokens_per_s,
         "speed_source": _speed_source(plan),
         "fleet": plan.fleet.to_dict() if plan.fleet else None,
-        "engine_weights_bytes": ({"copy": plan.engine_weights_bytes[0], "on-the-fly": plan.engine_weights_bytes[1]}
-                                 if plan.engine_weights_bytes else None),
+        "engine_weights_bytes": plan.engine_weights_bytes,
         "currency": {"code": req.currency.code, "per_usd": req.currency.per_usd},
         "prices": dict(req.prices.__dict__, currency=req.currency.code),
         "cost": plan.cost.to_dict() if plan.cost else None,

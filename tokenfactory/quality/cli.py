@@ -75,7 +75,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("--window", type=int, default=None, help="perplexity window in tokens (default 512)")
     e.add_argument("--max-ppl-increase", type=float, default=0.05, help="relative, default 0.05 (5%%)")
     e.add_argument("--min-agreement", type=float, default=0.5, help="share of prompts, default 0.5")
-    e.add_argument("--dense", default="copy", help="large steps: copy (keep dequantized weights) | on-the-fly")
+    e.add_argument("--dense", default="copy",
+                   help="large steps: copy (keep dequantized weights) | prepacked (and oneDNN's copy) | on-the-fly")
     e.add_argument("--original", default=None, metavar="MODEL",
                    help="the baseline is this model unquantized (default for a `quantize --method` folder: its source)")
     e.add_argument("--rtn", default=None, metavar="SCHEME",

@@ -30,7 +30,8 @@ def load_checked(args: argparse.Namespace):  # noqa: ANN201 - (EngineConfig, Loa
 
     from tokenfactory.engine.memory import free_memory_bytes, kv_budget_after_weights, resolve_device, resolve_dtype
     from tokenfactory.engine.placement import planned_weight_bytes
-    from tokenfactory.layers.weight_bytes import auto_dense
+    from tokenfactory.layers.quant import effective_dense
+    from tokenfactory.layers.weight_bytes import auto_dense, dense_order
     from tokenfactory.models.loader import load_model
     from tokenfactory.planner.doctor import preflight, raise_on_errors
 
@@ -39,6 +40,8 @@ def load_checked(args: argparse.Namespace):  # noqa: ANN201 - (EngineConfig, Loa
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[str(dtype)[6:]]
+    config = dataclasses.replace(config, quantization_dense=effective_dense(config.quantization_dense, device.type,
+                                                                            dtype))
     # The bytes the weights will take once placed and quantized (--quantization, its dense copy counted), and
     # the KV budget as the engine will size it: a share of what is free after them (#18).
     weights = planned_weight_bytes(loaded, config, device, dtype)
@@ -60,13 +63,18 @@ def load_checked(args: argparse.Namespace):  # noqa: ANN201 - (EngineConfig, Loa
                          kv_cache_dtype=config.kv_cache_dtype, weights_bytes_without_copy=lean)
 
     findings = check(weights)
-    has_errors = any(f.severity == "error" for f in findings)
-    if has_errors and lean < weights and auto:
-        lean_findings = check(lean)  # memory is short: the packed codes alone, if that fits
-        if not any(f.severity == "error" for f in lean_findings):
-            logger.info("pre-flight: the quantized layers' dense copy does not fit (%.0f MB of weights with it); "
-                        "serving with --quantization-dense on-the-fly (%.0f MB)", weights / 1e6, lean / 1e6)
-            config, findings = lean_config, lean_findings
+    if auto:  # memory short: step down dense_order (prepacked, copy, on-the-fly) to the first form that fits
+        for form in dense_order(device.type)[1:]:
+            if not any(f.severity == "error" for f in findings):
+                break
+            smaller_config = dataclasses.replace(config, quantization_dense=form)
+            smaller = planned_weight_bytes(loaded, smaller_config, device, dtype)
+            smaller_findings = check(smaller)
+            if smaller < weights and not any(f.severity == "error" for f in smaller_findings):
+                logger.info("pre-flight: the quantized layers' %s dense form does not fit (%.0f MB of weights); "
+                            "serving with --quantization-dense %s (%.0f MB)", config.quantization_dense,
+                            weights / 1e6, form, smaller / 1e6)
+                config, findings, weights = smaller_config, smaller_findings, smaller
     for finding in findings:
         if finding.severity != "error":
             logger.info("pre-flight: %s", finding.message)

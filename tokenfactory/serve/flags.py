@@ -35,11 +35,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="how far batch jobs give way to other traffic: share (down to --batch-share while it is "
                         "present: the default, right where compute is short) or seats (only the seats it needs)")
     add_lever(p, "quantization", aliases=False, default=engine_default("quantization"))
-    p.add_argument("--quantization-dense", default="auto", choices=["auto", "copy", "on-the-fly"],
+    p.add_argument("--quantization-dense", default="auto", choices=["auto", "prepacked", "copy", "on-the-fly"],
                    help="quantized layers' large steps: copy (keep a dequantized copy: fast batches, more memory), "
-                        "on-the-fly (the packed codes only, dequantized per large step), or auto: on a CPU the copy "
-                        "where it fits, else on-the-fly; on CUDA on-the-fly whenever the copy would make the weights "
-                        "bigger than not quantizing them (int4 with a bf16 copy is more than bf16 alone)")
+                        "prepacked (on a CPU in bf16 also oneDNN's own copy of it for steps of up to 256 rows: "
+                        "faster decode batches, a second copy's memory), on-the-fly (the packed codes only, "
+                        "dequantized per large step), or auto: on a CPU the first of prepacked, copy, on-the-fly "
+                        "that fits; on CUDA on-the-fly whenever the copy would make the weights bigger than not "
+                        "quantizing them (int4 with a bf16 copy is more than bf16 alone)")
     p.add_argument("--seed", type=int, default=engine_default("seed"),
                    help="the sampling seed of requests that give none, so a server's answers can be reproduced")
     p.add_argument("--single-thread-step-tokens", type=int, default=None,
@@ -90,10 +92,11 @@ def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201 - EngineC
 
 
 def dense_path(flag: str) -> str:
-    """--quantization-dense as the engine takes it: "auto" starts as the copy; the start-up check
-    (`load_checked`) switches it to on-the-fly when only that fits, or on CUDA when the copy would make the weights
-    bigger than unquantized (layers/weight_bytes.py `auto_dense`)."""
-    return "copy" if flag == "auto" else flag
+    """--quantization-dense as the engine takes it: "auto" starts as the prepacked copy (the plain copy off a CPU or
+    bf16: layers/quant.py `effective_dense`); the start-up check (`load_checked`) steps down the order of
+    layers/weight_bytes.py `dense_order` to what fits, and on CUDA to on-the-fly when the copy would make the weights
+    bigger than unquantized (`auto_dense`)."""
+    return "prepacked" if flag == "auto" else flag
 
 
 def scheduling_policy(args: argparse.Namespace) -> str:
