@@ -338,6 +338,8 @@ def test_the_prepacked_dense_path_computes_f_linear(with_bias, monkeypatch) -> N
     assert used == [40]
     plain = build(quantize_int4(torch.randn(64, 64), 32), dense="copy")
     assert plain._prepacked is None and plain.prepacked_bytes == 0
+    cast = build(quantize_int4(torch.randn(64, 64), 32), dense="prepacked").float()  # only a bf16 weight is packed
+    assert cast.prepacked_bytes == 0 and cast.dense_linear(torch.randn(3, 64)).dtype == torch.float32
     # Off the CPU's bf16 it is the plain copy: what placement and the start-up check count too.
     assert quant.effective_dense("prepacked", "cuda", torch.bfloat16) == "copy"
     assert quant.effective_dense("prepacked", "cpu", torch.float32) == "copy"

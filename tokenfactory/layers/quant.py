@@ -591,7 +591,7 @@ class PrepackedCopy(DenseCopy):
     the 2-vCPU Xeon of docs/benchmarks.md; the 49,152-row LM head 5.1 -> 2.4 ms). Past that the plain copy: there
     F.linear's own choice measured faster on some shapes (a 960 x 576 layer at 1,024 rows: 0.54 against 0.83-0.93
     ms), and turning the packed weight back per call costs 20-40% of the matmul. So resident memory is packed + two
-    dense copies: `--quantization-dense auto` keeps this where it fits (layers/weight_bytes.py `DENSE_ORDER`).
+    dense copies: `--quantization-dense auto` keeps this where it fits (layers/weight_bytes.py `dense_order`).
     Only on a CPU, for bfloat16, where this torch has oneDNN (`effective_dense` makes it "copy" elsewhere)."""
 
 
@@ -760,7 +760,9 @@ class QuantizedLinear(nn.Module):
         self._packed_fn = self.packed.bind() if self.packed is not None else None  # type: ignore[operator]
         self._dense_fn = self.dense.bind(self.packed)  # type: ignore[operator]
         self._bias, self._order = self.bias, self.input_order
-        self._prepacked = prepack_dense(self.dense.dense) if isinstance(self.dense, PrepackedCopy) else None
+        kept = self.dense.dense if isinstance(self.dense, PrepackedCopy) else None  # moved or cast: only CPU bf16
+        self._prepacked = prepack_dense(kept) if kept is not None and prepack_available(kept.device.type,
+                                                                                         kept.dtype) else None
 
     def _apply(self, fn: Callable[..., torch.Tensor], recurse: bool = True) -> QuantizedLinear:
         super()._apply(fn, recurse)
