@@ -166,5 +166,10 @@ idle_w = { value = 50, source = "test", date = "2026-12" }
     mid = plan("--device", "CPU-32G", "--engine", "tokenfactory", "--catalog", str(small), max_len="1024")
     assert mid["memory"]["weights_bytes"] == mid["engine_weights_bytes"]["copy"] and mid["memory"]["fits"]
     assert any("twice" in n and "does not fit" in n and "with its dense copy (" in n for n in mid["notes"])
+    tiny = tmp_path / "tiny.toml"  # 16 GiB: neither copy fits, the codes alone do
+    tiny.write_text(small.read_text().replace('"CPU-32G"', '"CPU-16G"').replace("value = 32,", "value = 16,"))
+    low = plan("--device", "CPU-16G", "--engine", "tokenfactory", "--catalog", str(tiny), max_len="1024")
+    assert low["memory"]["weights_bytes"] == low["engine_weights_bytes"]["on-the-fly"] and low["memory"]["fits"]
+    assert any(n.startswith("our engine keeps int4-g32 on-the-fly") and "neither" in n for n in low["notes"])
     with pytest.raises(SystemExit):
         main(["plan", "Llama-3.1-8B", "--device", "h100", "--engine", "vllm"])

@@ -44,10 +44,14 @@ def fitted_memory(req: PlanRequest, hw: Hardware) -> tuple[Weights, MemoryPlan, 
             break
     if form == forms[0]:
         return kept, plan, None
-    first = ours[forms[0]]
+    skipped = forms[:forms.index(form)]
+
+    def _sizes(names: list[str]) -> str:
+        return " nor ".join(f"{labels[f]} ({gib(ours[f])})" for f in names)
+
     why = (f"with its dense copy the weights would be {gib(ours['copy'])}, more than bf16's {gib(unquantized)}"
            if device_type == "cuda" and memory(replace(weights, total_bytes=ours["copy"])).fits
-           else f"{labels[forms[0]]} ({gib(first)}) does not fit")
+           else f"{_sizes(skipped)} does not fit" if len(skipped) == 1 else f"neither {_sizes(skipped)} fits")
     return kept, plan, (
         f"our engine keeps {weights.label} {labels[form]} ({gib(ours[form])}): {why}; "
         f"this is what serve --quantization-dense auto chooses here")
