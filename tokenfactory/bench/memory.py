@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="bundled,1b", help="comma-separated: bundled, 1b, or a path")
     p.add_argument("--schemes", default="none,int8,int4", help="weight schemes")
-    p.add_argument("--dense", default="copy,on-the-fly",
+    p.add_argument("--dense", default="prepacked,copy,on-the-fly",
                    help="quantized layers' large-step paths to load with (comma-separated): prepacked, copy, "
                         "on-the-fly")
     p.add_argument("--kv-budget", type=int, default=512 << 20, help="KV bytes for the concurrency figure")
