@@ -123,6 +123,16 @@ def test_the_module_runs_as_a_program():
     assert json.loads(result.stdout)["memory"]["fits"] is True
 
 
+def cpu_host(tmp_path, gib: int):  # noqa: ANN001, ANN201 - a catalog file with one CPU device, "CPU-{gib}G"
+    path = tmp_path / f"cpu-{gib}g.toml"
+    figures = {"memory_gib": gib, "bandwidth_gbps": 100, "tflops_bf16": 10, "tops_int8": 20, "tflops_fp32": 2,
+               "tdp_w": 200, "idle_w": 50}
+    lines = [f'{k} = {{ value = {v}, source = "test", date = "2026-12" }}' for k, v in figures.items()]
+    path.write_text("\n".join(["[[device]]", f'name = "CPU-{gib}G"', 'kind = "cpu"', 'host = "none"',
+                               f'description = "a {gib} GiB CPU host"', *lines]) + "\n")
+    return path
+
+
 def test_plan_fits_with_our_engines_bytes_when_asked(capsys, tmp_path):
     """--engine tokenfactory: what fits is decided with the engine's own int4 accounting (the start-up check's), in
     the form `serve --quantization-dense auto` keeps: on a CPU the first of the prepacked copy (plain and oneDNN's),
@@ -149,25 +159,11 @@ def test_plan_fits_with_our_engines_bytes_when_asked(capsys, tmp_path):
     assert cpu["memory"]["weights_bytes"] == forms["prepacked"] and not cpu["notes"]
     # A 32 GiB CPU host (the same server, less memory): 8B int4 with two dense copies (~36 GB) does not fit, with
     # one (~21 GB) it does, and the plan says which form serve's auto keeps and why.
-    small = tmp_path / "small.toml"
-    small.write_text("""[[device]]
-name = "CPU-32G"
-kind = "cpu"
-host = "none"
-description = "a 32 GiB CPU host"
-memory_gib = { value = 32, source = "test", date = "2026-12" }
-bandwidth_gbps = { value = 100, source = "test", date = "2026-12" }
-tflops_bf16 = { value = 10, source = "test", date = "2026-12" }
-tops_int8 = { value = 20, source = "test", date = "2026-12" }
-tflops_fp32 = { value = 2, source = "test", date = "2026-12" }
-tdp_w = { value = 200, source = "test", date = "2026-12" }
-idle_w = { value = 50, source = "test", date = "2026-12" }
-""")
+    small = cpu_host(tmp_path, 32)
     mid = plan("--device", "CPU-32G", "--engine", "tokenfactory", "--catalog", str(small), max_len="1024")
     assert mid["memory"]["weights_bytes"] == mid["engine_weights_bytes"]["copy"] and mid["memory"]["fits"]
     assert any("twice" in n and "does not fit" in n and "with its dense copy (" in n for n in mid["notes"])
-    tiny = tmp_path / "tiny.toml"  # 16 GiB: neither copy fits, the codes alone do
-    tiny.write_text(small.read_text().replace('"CPU-32G"', '"CPU-16G"').replace("value = 32,", "value = 16,"))
+    tiny = cpu_host(tmp_path, 16)  # neither copy fits, the codes alone do
     low = plan("--device", "CPU-16G", "--engine", "tokenfactory", "--catalog", str(tiny), max_len="1024")
     assert low["memory"]["weights_bytes"] == low["engine_weights_bytes"]["on-the-fly"] and low["memory"]["fits"]
     assert any(n.startswith("our engine keeps int4-g32 on-the-fly") and "neither" in n for n in low["notes"])

@@ -36,22 +36,20 @@ def fitted_memory(req: PlanRequest, hw: Hardware) -> tuple[Weights, MemoryPlan, 
     forms = list(ours)
     unquantized = resolve_weights(req.model, "bf16").total_bytes
     device_type = "cpu" if hw.device.kind == "cpu" else "cuda"
+    # On CUDA a copy bigger than bf16 is never kept, fits or not (auto_dense); on a CPU the first form that fits.
+    copy_allowed = auto_dense(device_type, ours["copy"], ours["on-the-fly"], int(unquantized), True) == "copy"
+    plans: dict[str, MemoryPlan] = {}
     for form in forms:
         kept = replace(weights, total_bytes=ours[form], label=f"{weights.label}, tokenfactory {labels[form]}")
-        plan = memory(kept)
-        if form == "on-the-fly" or (plan.fits and auto_dense(device_type, ours["copy"], ours["on-the-fly"],
-                                                             int(unquantized), True) == "copy"):
+        plans[form] = plan = memory(kept)
+        if form == "on-the-fly" or (plan.fits and copy_allowed):
             break
     if form == forms[0]:
         return kept, plan, None
-    skipped = forms[:forms.index(form)]
-
-    def _sizes(names: list[str]) -> str:
-        return " nor ".join(f"{labels[f]} ({gib(ours[f])})" for f in names)
-
+    skipped = [f"{labels[f]} ({gib(ours[f])})" for f in forms[:forms.index(form)]]
     why = (f"with its dense copy the weights would be {gib(ours['copy'])}, more than bf16's {gib(unquantized)}"
-           if device_type == "cuda" and memory(replace(weights, total_bytes=ours["copy"])).fits
-           else f"{_sizes(skipped)} does not fit" if len(skipped) == 1 else f"neither {_sizes(skipped)} fits")
+           if device_type == "cuda" and plans["copy"].fits
+           else f"neither {' nor '.join(skipped)} fits" if len(skipped) > 1 else f"{skipped[0]} does not fit")
     return kept, plan, (
         f"our engine keeps {weights.label} {labels[form]} ({gib(ours[form])}): {why}; "
         f"this is what serve --quantization-dense auto chooses here")

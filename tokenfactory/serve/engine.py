@@ -27,6 +27,7 @@ def make_engine(config, loaded, threads: int | None = None):  # noqa: ANN001, AN
 def load_checked(args: argparse.Namespace):  # noqa: ANN201 - (EngineConfig, LoadedModel)
     """The engine's config and its model, loaded and checked to fit (the doctor's pre-flight)."""
     import dataclasses
+    import functools
 
     from tokenfactory.engine.memory import free_memory_bytes, kv_budget_after_weights, resolve_device, resolve_dtype
     from tokenfactory.engine.placement import planned_weight_bytes
@@ -42,17 +43,21 @@ def load_checked(args: argparse.Namespace):  # noqa: ANN201 - (EngineConfig, Loa
     dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[str(dtype)[6:]]
     config = dataclasses.replace(config, quantization_dense=effective_dense(config.quantization_dense, device.type,
                                                                             dtype))
-    # The bytes the weights will take once placed and quantized (--quantization, its dense copy counted), and
+    # The bytes the weights will take once placed and quantized (--quantization, its dense copies counted), and
     # the KV budget as the engine will size it: a share of what is free after them (#18).
-    weights = planned_weight_bytes(loaded, config, device, dtype)
-    lean_config = dataclasses.replace(config, quantization_dense="on-the-fly")
-    lean = planned_weight_bytes(loaded, lean_config, device, dtype)
+    base = config
+
+    @functools.cache
+    def planned(dense: str) -> int:
+        return planned_weight_bytes(loaded, dataclasses.replace(base, quantization_dense=dense), device, dtype)
+
+    weights, lean = planned(config.quantization_dense), planned("on-the-fly")
     free = free_memory_bytes(device)
     auto = getattr(args, "quantization_dense", "copy") == "auto"
     if auto and device.type == "cuda" and lean < weights:  # a copy beside the codes, more than unquantized? (#30)
         unquantized = planned_weight_bytes(loaded, dataclasses.replace(config, quantization="none"), device, dtype)
         if auto_dense(device.type, weights, lean, unquantized, copy_fits=True) == "on-the-fly":
-            config, weights = lean_config, lean
+            config, weights = dataclasses.replace(config, quantization_dense="on-the-fly"), lean
 
     def check(weights_bytes: int) -> list:
         # max_model_len None: the engine's own rule (the context, capped at what the cache holds), not the context.
@@ -67,14 +72,14 @@ def load_checked(args: argparse.Namespace):  # noqa: ANN201 - (EngineConfig, Loa
         for form in dense_order(device.type)[1:]:
             if not any(f.severity == "error" for f in findings):
                 break
-            smaller_config = dataclasses.replace(config, quantization_dense=form)
-            smaller = planned_weight_bytes(loaded, smaller_config, device, dtype)
+            smaller = planned(form)
             smaller_findings = check(smaller)
             if smaller < weights and not any(f.severity == "error" for f in smaller_findings):
                 logger.info("pre-flight: the quantized layers' %s dense form does not fit (%.0f MB of weights); "
                             "serving with --quantization-dense %s (%.0f MB)", config.quantization_dense,
                             weights / 1e6, form, smaller / 1e6)
-                config, findings, weights = smaller_config, smaller_findings, smaller
+                config = dataclasses.replace(config, quantization_dense=form)
+                findings, weights = smaller_findings, smaller
     for finding in findings:
         if finding.severity != "error":
             logger.info("pre-flight: %s", finding.message)
