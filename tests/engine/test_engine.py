@@ -32,6 +32,14 @@ def test_llm_default_loads_the_bundled_model_and_chats() -> None:
     outs = llm.generate(["The sky is", {"prompt_token_ids": [504, 3458, 314]}], SamplingParams(max_tokens=5))
     assert [len(o.outputs[0].token_ids) for o in outs] == [5, 5]
     assert outs[1].prompt_token_ids == [504, 3458, 314]
+    # Offline batching (config.OFFLINE_BATCHING), not a server's: bigger steps, nobody waits on them.
+    assert (llm.engine.config.max_num_seqs, llm.engine.config.max_num_batched_tokens) == (256, 4096)
+    assert llm.engine.scheduler.max_num_batched_tokens == 4096
+
+
+def test_llm_batching_given_by_the_caller_wins() -> None:
+    llm = LLM(kv_cache_memory=64 << 20, max_num_seqs=8, machine_profile="off")
+    assert (llm.engine.config.max_num_seqs, llm.engine.config.max_num_batched_tokens) == (8, 4096)
 
 
 def test_seed_gives_same_output_whatever_shares_the_batch(bundled) -> None:

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tokenfactory.config import OFFLINE_BATCHING
 from tokenfactory.progress import track
 
 
@@ -41,8 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", default="32:256", help="min:max output tokens")
     p.add_argument("--single-prompt-len", type=int, default=128)
     p.add_argument("--single-output-len", type=int, default=128)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--max-num-seqs", type=int, default=OFFLINE_BATCHING["max_num_seqs"],
+                   help="the offline LLM class's batching (config.OFFLINE_BATCHING)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=OFFLINE_BATCHING["max_num_batched_tokens"])
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--hf-dtype", default="auto", choices=["auto", *HF_DTYPES],
                    help="the baseline's dtype; auto: each of float32 and bfloat16 timed on one batch, the faster run "

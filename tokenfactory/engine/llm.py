@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tokenfactory.config import EngineConfig
+from tokenfactory.config import OFFLINE_BATCHING, EngineConfig
 from tokenfactory.engine.engine import LLMEngine, Prompt
 from tokenfactory.types import PoolingParams, RequestOutput, SamplingParams
 
@@ -14,9 +14,10 @@ class LLM:
     def __init__(self, model: str | None = None, *, device: str = "cpu", dtype: str = "auto",
                  max_model_len: int | None = None, **engine_kwargs: object) -> None:
         """`model`: a GGUF file or a Hugging Face model folder; None loads the bundled SmolLM2-135M-Instruct.
-        Other keyword arguments are EngineConfig fields (max_num_seqs, kv_cache_memory, block_size, ...)."""
+        Other keyword arguments are EngineConfig fields (max_num_seqs, kv_cache_memory, block_size, ...); batching
+        defaults to the offline sizes (`OFFLINE_BATCHING`: larger steps than a server's, nobody waits on them)."""
         config = EngineConfig(model=model, device=device, dtype=dtype, max_model_len=max_model_len,
-                              **engine_kwargs)  # type: ignore[arg-type]
+                              **{**OFFLINE_BATCHING, **engine_kwargs})  # type: ignore[arg-type]
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
 
