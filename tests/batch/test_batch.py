@@ -16,6 +16,7 @@ import pytest
 
 from tests.fake_engine import SCRIPTS, FakeEngineClient
 from tests.server_util import Gateway, start_gateway
+from tokenfactory.batch.runner import BatchSettings
 from tokenfactory.batch.store import BatchStore, PendingLine, RejectedLine, line_request_id
 from tokenfactory.engine.client import AddRequest
 from tokenfactory.meter.ledger import Ledger
@@ -187,7 +188,10 @@ def test_bad_requests_name_the_parameter(gw: Gateway) -> None:
 
 
 def test_a_budget_that_runs_out_stops_the_job_with_its_partial_output(tmp_path: Path) -> None:
-    gw = start_gateway(FakeEngineClient(step_s=0.001), tmp_path / "data", auth=True)
+    # Lines refused while others hold the budget (429) back off; short waits keep the test short (the runner's
+    # doubling from 0.5 s took ~8 s of it), the path is the same.
+    gw = start_gateway(FakeEngineClient(step_s=0.001), tmp_path / "data", auth=True,
+                       batch=BatchSettings(retry_s=0.05, max_retry_s=0.2))
     try:
         gw.store.add_tenant(Tenant("acme", budget=Budget.parse("300 tokens/day")))
         key, _ = gw.store.create_key("acme")

@@ -4,10 +4,12 @@ seeds, stop conditions, n > 1, logprobs, streaming text, abort, and bad argument
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 
 from tokenfactory.config import EngineConfig
+from tokenfactory.engine import llm as llm_module
 from tokenfactory.engine.engine import LLMEngine
 from tokenfactory.engine.llm import LLM
 from tokenfactory.types import FinishReason, ParameterError, SamplingParams
@@ -37,9 +39,12 @@ def test_llm_default_loads_the_bundled_model_and_chats() -> None:
     assert llm.engine.scheduler.max_num_batched_tokens == 4096
 
 
-def test_llm_batching_given_by_the_caller_wins() -> None:
-    llm = LLM(kv_cache_memory=64 << 20, max_num_seqs=8, machine_profile="off")
-    assert (llm.engine.config.max_num_seqs, llm.engine.config.max_num_batched_tokens) == (8, 4096)
+def test_llm_batching_given_by_the_caller_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    configs: list[EngineConfig] = []  # the config LLM builds its engine from (no model loaded for this)
+    monkeypatch.setattr(llm_module, "LLMEngine",
+                        lambda config: configs.append(config) or SimpleNamespace(tokenizer=None))
+    LLM(max_num_seqs=8)
+    assert (configs[0].max_num_seqs, configs[0].max_num_batched_tokens) == (8, 4096)
 
 
 def test_seed_gives_same_output_whatever_shares_the_batch(bundled) -> None:
