@@ -23,7 +23,9 @@ def runs(bundled) -> dict[str, tuple[float, list[list[int]], int]]:
     ids = bundled.tokenizer.encode(bundled_text())[: WINDOW * NUM_WINDOWS + 1]
     out = {}
     for scheme in ("none", "auto", "int8", "int4"):
-        engine, summary = ev.load_engine(bundled, scheme, max_model_len=512)
+        # No machine profile: measuring one per scheme was ~10 s each, and what is checked here is the weights'
+        # quality, not which kernel is faster for a few rows on this CPU.
+        engine, summary = ev.load_engine(bundled, scheme, max_model_len=512, machine_profile="off")
         ppl, _ = ev.perplexity(engine, [ids], WINDOW)
         greedy = ev.greedy_tokens(engine, bundled_prompts()[:8], 12)
         out[scheme] = (ppl, greedy, decode_weight_bytes(engine.runner.model))
@@ -62,8 +64,9 @@ def test_greedy_agreement_per_scheme(runs) -> None:
         return sum(ev._common_prefix(a, b) for a, b in pairs) / len(runs["none"][1])
 
     # auto: the same weights (packed kernels with bf16-rounded scales); int8: nearly; int4 requantized from
-    # Q4_1 rounds twice. Measured on 8 prompts x 12 tokens: ~7.8, ~8.0 and ~4 common tokens on average (the
-    # same weights at another batch size keep ~9): near-ties in a 135M model flip under any rounding change.
+    # Q4_1 rounds twice. Measured on 8 prompts x 12 tokens: ~7.8, ~8.0 and ~4 common tokens on average with a
+    # measured machine profile, 10.6, 6.5 and 3.1 with the built-in crossovers (the same weights at another batch
+    # size keep ~9): near-ties in a 135M model flip under any rounding change.
     assert prefix("auto") >= 5 and prefix("int8") >= 5
     assert prefix("int4") < min(prefix("auto"), prefix("int8"))
 

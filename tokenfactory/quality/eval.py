@@ -90,13 +90,14 @@ class Comparison:
 
 def load_engine(loaded: LoadedModel, quantization: str, *, dtype: str = "auto", max_model_len: int = 1024,
                 max_num_seqs: int = GREEDY_MAX_NUM_SEQS, options: QuantOptions | None = None,
-                kv_cache_dtype: str = "auto") -> tuple[LLMEngine, QuantSummary]:
+                kv_cache_dtype: str = "auto", machine_profile: str = "auto") -> tuple[LLMEngine, QuantSummary]:
     """An engine over `loaded` built with the scheme (so its config describes its model), using every source
-    of quantized weights the loader found (GGUF blocks, a `tokenfactory quantize` file), and what it did."""
+    of quantized weights the loader found (GGUF blocks, a `tokenfactory quantize` file), and what it did.
+    `machine_profile` "off": the built-in kernel crossovers, none measured (EngineConfig.machine_profile)."""
     options = options or QuantOptions()
     config = EngineConfig(model=str(loaded.path), dtype=dtype, max_model_len=max_model_len,
                           max_num_seqs=max_num_seqs, quantization=quantization, quantization_dense=options.dense,
-                          kv_cache_dtype=kv_cache_dtype)
+                          kv_cache_dtype=kv_cache_dtype, machine_profile=machine_profile)
     engine = LLMEngine(config, loaded)
     return engine, engine.quant_summary
 
