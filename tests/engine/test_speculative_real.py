@@ -5,7 +5,6 @@ prefill, on a prefix hit and after preemption; the decision's evidence reaches /
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.engine.test_speculative import force_drafting
 from tokenfactory.bench.spec import workloads
@@ -18,19 +17,13 @@ from tokenfactory.types import SamplingParams
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # see tests/engine/test_speculative.py: tokens, not speed
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def copy_prompts(bundled) -> list[list[int]]:
     return list(workloads(bundled.tokenizer).values())
 
 
+# torch's own thread count: test_speculative.py's one-thread rule is for tiny models' microsecond steps (two
+# spinning threads on a shared 2-core machine); here one thread took 115 s for this module against 76 with two.
 def make_engine(bundled, speculative: str = "none", **kw) -> LLMEngine:
     # float32 weights: the int4 kernels of the "auto" default round activations to bf16, and a verifying
     # chunk and a one-token decode take different kernels, so identity is defined in float32.
