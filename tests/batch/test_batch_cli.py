@@ -1,6 +1,7 @@
 """`tokenfactory batch run` on the bundled model, no server: a file with a bad line runs to OUT and its error
 file; killed mid-way (SIGKILL) and run again, it resumes: the lines finished before the kill are kept as
-they were, and the ledger has exactly one row per line. Slow: real model, real processes."""
+they were, and the ledger has exactly one row per line (slow: real model, real processes). Its batching is the
+offline API's."""
 
 from __future__ import annotations
 
@@ -14,7 +15,20 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+from tokenfactory.cli import build_parser
+from tokenfactory.config import OFFLINE_BATCHING, EngineConfig
+
+
+def test_batch_run_batches_as_the_offline_api_does() -> None:
+    """No server, so nobody waits on a step: the offline sizes (config.OFFLINE_BATCHING), not serve's; a flag wins."""
+    args = build_parser().parse_args(["batch", "run", "in.jsonl", "--out", "out.jsonl"])
+    assert (args.max_num_seqs, args.max_num_batched_tokens) == (256, 4096) == tuple(OFFLINE_BATCHING.values())
+    assert args.max_lines_in_flight == 256 and EngineConfig().max_num_seqs < 256  # serve's stay smaller
+    args = build_parser().parse_args(["batch", "run", "in.jsonl", "--out", "o", "--max-num-batched-tokens", "512"])
+    assert (args.max_num_seqs, args.max_num_batched_tokens) == (256, 512)
+    serve = build_parser().parse_args(["serve"])
+    assert (serve.max_num_seqs, serve.max_num_batched_tokens) == (EngineConfig().max_num_seqs,
+                                                                   EngineConfig().max_num_batched_tokens)
 
 
 def command(tmp: Path, *extra: str) -> list[str]:
@@ -31,6 +45,7 @@ def done_lines(tmp: Path) -> dict[str, str]:
         return {}
 
 
+@pytest.mark.slow
 def test_batch_run_resumes_after_a_kill_without_redoing_or_double_billing_a_line(tmp_path: Path) -> None:
     lines = [json.dumps({"custom_id": f"q{i}", "method": "POST", "url": "/v1/completions",
                          "body": {"prompt": f"Count to ten: {i},", "max_tokens": 24}}) for i in range(10)]
