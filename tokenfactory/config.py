@@ -200,10 +200,11 @@ class EngineConfig:
             raise ParameterError("kv_cache_memory", f"kv_cache_memory in bytes must be > 0, got {mem}")
 
 
-# The batching of the offline `LLM` class, `batch run` (no server) and `bench offline`: vLLM's CPU defaults for its own LLM class (256
-# sequences, 4,096 tokens a step, where its server takes 128 and 2,048). Nobody waits on an offline step, so steps
-# that read the weights once for more rows pay: bench offline's 128 requests made 492-506 output tok/s at these
-# against 421-439 at EngineConfig's 64 / 1,024, a server's (latency) defaults (docs/benchmarks.md, issue 29).
+# The batching of the offline `LLM` class, `batch run` (no server) and `bench offline`: vLLM's CPU defaults for its
+# own LLM class (256 sequences, 4,096 tokens a step, where its server takes 128 and 2,048). Nobody waits on an
+# offline step, so steps that read the weights once for more rows pay: bench offline's 128 requests made 492-506
+# output tok/s at these against 421-439 at EngineConfig's 64 / 1,024, a server's (latency) defaults
+# (docs/benchmarks.md, issue 29).
 OFFLINE_BATCHING: dict[str, int] = {"max_num_seqs": 256, "max_num_batched_tokens": 4096}
 
 
