@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tokenfactory.cli import build_parser
-from tokenfactory.config import EngineConfig
+from tokenfactory.config import OFFLINE_BATCHING, EngineConfig
 from tokenfactory.levers import LEVERS, OUTPUT_TOKENS, PROMPT_TOKENS, HelpFormatter
 from tokenfactory.meter.prices import catalog_prices, load_price_table, load_prices, shared_defaults
 
@@ -21,6 +21,8 @@ COMMANDS = ("serve", "plan", "doctor", "simulate", "batch run")
 ENGINE = {name: getattr(EngineConfig, name) for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
                                                          "block_size", "kv_cache_dtype", "dtype", "quantization")}
 WORKLOAD = {"prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS}
+# Commands with no server take the offline batching, itself defined once (config.OFFLINE_BATCHING, the LLM class's).
+OFFLINE_COMMANDS = {"batch run": OFFLINE_BATCHING}
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -44,7 +46,7 @@ def test_engine_levers_have_one_name_and_the_engines_default_everywhere(commands
     seen: dict[str, set[str]] = {}
     for name, parser in commands.items():
         actions = _actions(parser)
-        for dest, source in {**ENGINE, **WORKLOAD}.items():
+        for dest, source in {**ENGINE, **WORKLOAD, **OFFLINE_COMMANDS.get(name, {})}.items():
             if dest not in actions:
                 continue
             action, lever = actions[dest], LEVERS[dest]

@@ -33,9 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--endpoint", default=None, choices=["/v1/chat/completions", "/v1/completions"],
                    help="the lines' url (default: the first line's)")
     r.add_argument("--max-lines-in-flight", type=int, default=OFFLINE_BATCHING["max_num_seqs"],
-                   help="lines in the engine at once (default: the offline batching's sequences, with its "
-                        f"--max-num-seqs {OFFLINE_BATCHING['max_num_seqs']} and --max-num-batched-tokens "
-                        f"{OFFLINE_BATCHING['max_num_batched_tokens']})")
+                   help="lines in the engine at once: as many as the offline batching's sequences (no server "
+                        "waits here, so --max-num-seqs and --max-num-batched-tokens default to the offline LLM "
+                        "class's too)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar (a line at the end only)")
     add_engine_args(r)
     # No server, so nobody waits on a step: the offline API's batching (config.OFFLINE_BATCHING), not serve's. On
