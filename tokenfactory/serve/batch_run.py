@@ -39,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--no-progress", action="store_true", help="no progress bar (a line at the end only)")
     add_engine_args(r)
     # No server, so nobody waits on a step: the offline API's batching (config.OFFLINE_BATCHING), not serve's. On
-    # 128 lines of bench offline's workload: 37.1-37.8 device-s and 216-219 J against 43.5-43.7 and 265-266.
+    # 128 lines of bench offline's workload: 37.1-37.8 device-s and 216-222 J against 43.5-43.7 and 265-266.
     r.set_defaults(**OFFLINE_BATCHING)
     r.add_argument("--data-dir", default=None, help="where the ledger and the job's state live")
     r.add_argument("--database-url", default=None, help="a SQLAlchemy URL instead of SQLite in --data-dir")
