@@ -312,13 +312,16 @@ class LatencyObserver:
     def __init__(self, metrics: ServerMetrics) -> None:
         self.metrics = metrics
         self.request_id_to_last_output: dict[str, float] = {}
+        self.model_to_itl: dict[str, Histogram] = {}  # the histogram's child per model, not `labels()` per token
 
     def on_output(self, model: str, out: RequestOutput) -> None:
         now = time.monotonic()
         new_tokens = sum(len(c.token_ids_delta) for c in out.outputs)
         last = self.request_id_to_last_output.get(out.request_id)
         if last is not None and new_tokens:
-            self.metrics.itl.labels(model).observe((now - last) / new_tokens)
+            if (itl := self.model_to_itl.get(model)) is None:
+                itl = self.model_to_itl[model] = self.metrics.itl.labels(model)
+            itl.observe((now - last) / new_tokens)
         self.request_id_to_last_output[out.request_id] = now
         if out.finished:
             self.request_id_to_last_output.pop(out.request_id, None)
