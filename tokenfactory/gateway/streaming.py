@@ -26,10 +26,6 @@ from starlette.types import Receive, Scope, Send
 logger = logging.getLogger(__name__)
 
 
-class SlowReaderError(TimeoutError):
-    """The client did not take a chunk within the send deadline."""
-
-
 class EventStream(StreamingResponse):
 
     def __init__(self, body: AsyncIterator[str], on_close: Callable[[str], Awaitable[None]],
@@ -37,42 +33,60 @@ class EventStream(StreamingResponse):
         """`on_close(how)` with how in {"finished", "disconnected", "slow_reader", "failed"}."""
         super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self.on_close, self.send_timeout_s = on_close, send_timeout_s
+        self._sending_since: float | None = None  # the loop's time the pending send began; None between sends
+        self._dropped = False  # the deadline's timer cancelled the stream
+        self._timer: asyncio.TimerHandle | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        streaming = asyncio.ensure_future(self._stream(send))
+        loop = asyncio.get_running_loop()
+        streaming = asyncio.ensure_future(self._stream(send, loop))
         listening = asyncio.ensure_future(self._wait_for_disconnect(receive))
+        self._timer = loop.call_later(self.send_timeout_s, self._check_deadline, loop, streaming)
         how = "failed"
         try:
             await asyncio.wait({streaming, listening}, return_when=asyncio.FIRST_COMPLETED)
             if streaming.done() and not streaming.cancelled():
                 error = streaming.exception()
-                how = "finished" if error is None else "slow_reader" if isinstance(error, SlowReaderError) else how
-                if error is not None and how == "failed":
+                how = "finished" if error is None else how
+                if error is not None:
                     logger.error("a streamed response failed", exc_info=error)
             else:
-                how = "disconnected"
+                how = "slow_reader" if self._dropped else "disconnected"
         finally:
+            if self._timer is not None:
+                self._timer.cancel()
             for task in (streaming, listening):
                 task.cancel()
             await asyncio.gather(streaming, listening, return_exceptions=True)
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
             await self.on_close(how)
 
-    async def _stream(self, send: Send) -> None:
-        await self._send(send, {"type": "http.response.start", "status": self.status_code,
-                                "headers": self.raw_headers})
+    async def _stream(self, send: Send, loop: asyncio.AbstractEventLoop) -> None:
+        await self._send(send, loop, {"type": "http.response.start", "status": self.status_code,
+                                      "headers": self.raw_headers})
         async for chunk in self.body_iterator:
-            await self._send(send, {"type": "http.response.body", "body": chunk.encode(), "more_body": True})
-        await self._send(send, {"type": "http.response.body", "body": b"", "more_body": False})
+            await self._send(send, loop, {"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+        await self._send(send, loop, {"type": "http.response.body", "body": b"", "more_body": False})
 
-    async def _send(self, send: Send, message: dict) -> None:
-        try:  # asyncio.timeout runs the send in this task; wait_for made a task for every chunk
-            async with asyncio.timeout(self.send_timeout_s):
-                await send(message)
-        except TimeoutError:
+    async def _send(self, send: Send, loop: asyncio.AbstractEventLoop, message: dict) -> None:
+        self._sending_since = loop.time()  # no await between this and the send: only a send can be timed out
+        await send(message)
+        self._sending_since = None
+
+    def _check_deadline(self, loop: asyncio.AbstractEventLoop, streaming: asyncio.Future) -> None:
+        """The send deadline's one timer (a deadline per chunk, asyncio.timeout's, cost the event loop a timer
+        handle and its cancellation every token): due `send_timeout_s` after the pending send began, or after now
+        when none is pending (a later send cannot be late before then). A send still pending when it is due drops
+        the client: its task is cancelled, as a timeout would."""
+        since, now = self._sending_since, loop.time()
+        if since is not None and now - since >= self.send_timeout_s:
             logger.warning("a streaming client took no data for %.0f s: dropping it and aborting its request",
                            self.send_timeout_s)
-            raise SlowReaderError from None
+            self._dropped = True
+            streaming.cancel()
+            return
+        self._timer = loop.call_at((now if since is None else since) + self.send_timeout_s,
+                                   self._check_deadline, loop, streaming)
 
     @staticmethod
     async def _wait_for_disconnect(receive: Receive) -> None:
