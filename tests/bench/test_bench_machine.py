@@ -166,8 +166,9 @@ def test_bench_machine_on_the_bundled_model(tmp_path) -> None:
                                                                                     (2, 4, "complete")]
     assert all(r["output_throughput"] > 0 and r["median_tpot_ms"] > 0 for r in ours["levels"])
     assert ours["machine_profile"]["max_packed_rows"]  # the server reported the profile it ran with
-    check = ours["harness_check"]  # the plain generator at one client, on the same server
-    assert check["plain"]["completed"] == 2 and check["plain_tok_s"] > 0 and check["ratio"] > 0
+    check = ours["harness_check"]  # the plain generator at one client, on the same server, before and after
+    assert [p["completed"] for p in check["plain"]] == [2, 2] and check["plain_tok_s"] > 0 and check["ratio"] > 0
+    assert check["plain_tok_s"] == pytest.approx(sum(check["plain_tok_s_each"]) / 2, abs=0.01)
     assert data["offline"]["mbu"] > 0 and data["offline"]["peak_bandwidth_gbs"] > 0 and "mbu" in data["goals"]
     offline = data["offline"]  # the roofline is the faster of memory's bandwidth and the working set's
     assert offline["peak_bandwidth_gbs"] == max(offline["dram_bandwidth_gbs"], offline["working_set_bandwidth_gbs"])

@@ -66,7 +66,18 @@ def test_closed_loop_counts_the_servers_usage(server) -> None:
 
 
 def test_harness_check_is_within_five_percent_or_not() -> None:
-    assert plain.harness_check(97.0, {"output_throughput": 100.0})["met"]
-    off = plain.harness_check(90.0, {"output_throughput": 100.0})
+    assert plain.harness_check(97.0, [{"output_throughput": 100.0}])["met"]
+    off = plain.harness_check(90.0, [{"output_throughput": 100.0}])
     assert off["ratio"] == 0.9 and not off["met"]
-    assert not plain.harness_check(None, {"output_throughput": 100.0})["met"]
+    assert not plain.harness_check(None, [{"output_throughput": 100.0}])["met"]
+    assert not plain.harness_check(97.0, [{"output_throughput": 100.0}, {"output_throughput": None}])["met"]
+
+
+def test_harness_check_takes_the_mean_of_the_plain_runs_around_it() -> None:
+    # A host slowing steadily: 104 before the harness, 96 after; the harness's 100 in between is within 5% of their
+    # mean, where against the run after alone it was 1.04 and against the one before 0.96.
+    check = plain.harness_check(100.0, [{"output_throughput": 104.0}, {"output_throughput": 96.0}])
+    assert check["plain_tok_s"] == 100.0 and check["ratio"] == 1.0 and check["met"]
+    assert check["plain_tok_s_each"] == [104.0, 96.0] and len(check["plain"]) == 2
+    off = plain.harness_check(90.0, [{"output_throughput": 104.0}, {"output_throughput": 96.0}])
+    assert off["ratio"] == 0.9 and not off["met"]

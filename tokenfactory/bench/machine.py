@@ -12,8 +12,9 @@ In order, each in its own process so none inherits another's threads or memory:
      streaming, closed loop at each level's clients and requests.
      Peers are started as their users run them (compare.py's launchers: llama-server with -t = the cores and
      one slot per client, restarted for each level; vLLM with its CPU settings), each full command in the JSON.
-  4. at one client, each server again under a plain load generator (plain.py): the harness's output tok/s must
-     be within 5% of it, or the harness, not the server, is what was measured.
+  4. at one client, each server also under a plain load generator (plain.py), just before the harness and just
+     after: the harness's output tok/s must be within 5% of their mean, or the harness, not the server, is what
+     was measured.
 Then the goals (issue 29), as data: served single stream >= 95% of offline (decode rate, 1 / TPOT p50), batch-1
 decode at >= 50% of the read bandwidth measured in the same run (MBU; the faster of memory's and the cache's over
 the bytes one token reads: bench/offline.py `roofline_bandwidth`), and our output tok/s >= 1.2x every
@@ -39,7 +40,8 @@ from tokenfactory.types import ParameterError
 
 SCHEMA = "tokenfactory.bench.machine/1"
 DEFAULT_LEVELS = "1:8,8:32,32:96"
-PLAIN_SEED_OFFSET = 1000  # the plain check's prompts: past every level's (compare.py: level i has seed + i)
+PLAIN_SEED_OFFSET = 1000  # the plain runs' prompts (+0 before, +1 after): past every level's (level i: seed + i)
+PLAIN_WARMUP_SEED_OFFSET = 1002
 SINGLE_STREAM_TOLERANCE = 0.05  # served single-stream decode within 5% of offline
 MBU_GOAL = 0.5  # batch-1 decode's share of the measured read bandwidth
 LEAD_AT_ONE_CLIENT, LEAD_AT_MORE = 1.2, 1.5  # our output tok/s over each other engine's
@@ -221,7 +223,7 @@ def bundled_path() -> Path:
 def serve_group(args: argparse.Namespace, name: str, model_path: Path, group: list[tuple[int, int]],
                 rows: list[dict[str, Any]], commands: dict[str, str], result: dict[str, Any]) -> bool | None:
     """Start the engine sized for `group`'s levels and run them; None: not installed, False: it did not start."""
-    from tokenfactory.bench import compare
+    from tokenfactory.bench import compare, plain
     from tokenfactory.bench.datasets import load_tokenizer
 
     sargs = serve_args(args)
@@ -252,6 +254,7 @@ def serve_group(args: argparse.Namespace, name: str, model_path: Path, group: li
         tokenizer = load_tokenizer(model_path)
         for clients, requests in group:
             sargs.num_prompts = requests
+            before = plain_run(sargs, url, tokenizer, requests, warm_up=True) if clients == 1 else None
             (run,) = compare.run_levels_for(sargs, url, name, tokenizer, [(clients, None)], server.pid)
             result["machine_profile"] = result.get("machine_profile") or \
                 run.environment.get("server", {}).get("machine_profile")
@@ -259,29 +262,34 @@ def serve_group(args: argparse.Namespace, name: str, model_path: Path, group: li
             rows.append({"clients": clients, "requests": requests, "status": run.status,
                          **{k: run.figures.get(k) for k in FIGURES},
                          **({"failures": run.failures} if run.failures else {})})
-            if clients == 1:
-                result["harness_check"] = check_harness(sargs, url, tokenizer, requests,
-                                                        run.figures.get("output_throughput"))
+            if before is not None:
+                after = plain_run(sargs, url, tokenizer, requests, seed_offset=PLAIN_SEED_OFFSET + 1)
+                result["harness_check"] = plain.harness_check(run.figures.get("output_throughput"), [before, after])
         return True
     finally:
         server.stop()
 
 
-def check_harness(sargs: argparse.Namespace, url: str, tokenizer: Any, requests: int,
-                  harness_tok_s: float | None) -> dict[str, Any]:
-    """As many prompts of the same lengths, one client, through the plain generator (plain.py), against the
-    harness's figure. Fresh prompts (a seed no level uses): the harness's own, sent again, would be served from the
-    server's prompt cache (llama-server keeps finished prompts in RAM; our prefix cache keeps their blocks) and
-    the plain figure would skip the prefill the harness paid for (measured: llama-server 0.71-0.78 of plain,
-    ours 0.88-0.95, where the prompts were the same)."""
+def plain_run(sargs: argparse.Namespace, url: str, tokenizer: Any, requests: int,
+              seed_offset: int = PLAIN_SEED_OFFSET, warm_up: bool = False) -> dict[str, Any]:
+    """As many prompts of the level's lengths, one client, through the plain generator (plain.py): one of the two
+    runs around the harness's at one client. Fresh prompts (a seed no level uses, another for each run): the
+    harness's own, sent again, would be served from the server's prompt cache (llama-server keeps finished prompts
+    in RAM; our prefix cache keeps their blocks) and the plain figure would skip the prefill the harness paid for
+    (measured: llama-server 0.71-0.78 of plain, ours 0.88-0.95, where the prompts were the same). `warm_up`: two
+    short requests first, of their own prompts (the run before the harness's may be a fresh server's first)."""
     from tokenfactory.bench import plain
     from tokenfactory.bench.datasets import build_dataset
     from tokenfactory.bench.serve import dataset_config
 
-    config = dataset_config(sargs, requests, sargs.seed + PLAIN_SEED_OFFSET)
-    prompts = [r.prompt or "" for r in build_dataset(config, tokenizer)]
-    return plain.harness_check(harness_tok_s, plain.closed_loop(url, plain.served_model(url), prompts,
-                                                                sargs.output_len, 1))
+    model = plain.served_model(url)
+
+    def prompts(offset: int, n: int) -> list[str]:
+        return [r.prompt or "" for r in build_dataset(dataset_config(sargs, n, sargs.seed + offset), tokenizer)]
+
+    if warm_up:
+        plain.closed_loop(url, model, prompts(PLAIN_WARMUP_SEED_OFFSET, 2), 8, 1)
+    return plain.closed_loop(url, model, prompts(seed_offset, requests), sargs.output_len, 1)
 
 
 def goals(offline: dict[str, Any] | None, served: dict[str, dict[str, Any]]) -> dict[str, Any]:
