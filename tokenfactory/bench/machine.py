@@ -41,7 +41,7 @@ from tokenfactory.types import ParameterError
 SCHEMA = "tokenfactory.bench.machine/1"
 DEFAULT_LEVELS = "1:8,8:32,32:96"
 PLAIN_SEED_OFFSET = 1000  # the plain runs' prompts (+0 before, +1 after): past every level's (level i: seed + i)
-PLAIN_WARMUP_SEED_OFFSET = 1002
+PLAIN_WARMUP_SEED_OFFSET = 1002  # the two short requests that warm a server up before the first plain run
 SINGLE_STREAM_TOLERANCE = 0.05  # served single-stream decode within 5% of offline
 MBU_GOAL = 0.5  # batch-1 decode's share of the measured read bandwidth
 LEAD_AT_ONE_CLIENT, LEAD_AT_MORE = 1.2, 1.5  # our output tok/s over each other engine's

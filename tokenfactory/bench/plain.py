@@ -4,8 +4,7 @@ client thread, streaming completions read line by line, output tokens from the s
 `bench machine` runs it just before and just after the harness (bench/runner.py: asyncio, aiohttp, per-token
 timing, memory and energy sampling) on the same server, prompt lengths and client count: if the harness's output
 tok/s and the mean of the two plain runs differ by more than HARNESS_TOLERANCE, the harness is what is being
-measured, not the server, and the figures say so. Nothing here
-is shared with the harness but the prompts.
+measured, not the server, and the figures say so. Nothing here is shared with the harness but the prompts.
 """
 
 from __future__ import annotations
