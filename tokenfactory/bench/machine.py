@@ -254,7 +254,8 @@ def serve_group(args: argparse.Namespace, name: str, model_path: Path, group: li
         tokenizer = load_tokenizer(model_path)
         for clients, requests in group:
             sargs.num_prompts = requests
-            before = plain_run(sargs, url, tokenizer, requests, warm_up=True) if clients == 1 else None
+            model = plain.served_model(url) if clients == 1 else None  # the plain runs ask for it as the harness does
+            before = plain_run(sargs, url, model, tokenizer, requests, warm_up=True) if model is not None else None
             (run,) = compare.run_levels_for(sargs, url, name, tokenizer, [(clients, None)], server.pid)
             result["machine_profile"] = result.get("machine_profile") or \
                 run.environment.get("server", {}).get("machine_profile")
@@ -262,15 +263,15 @@ def serve_group(args: argparse.Namespace, name: str, model_path: Path, group: li
             rows.append({"clients": clients, "requests": requests, "status": run.status,
                          **{k: run.figures.get(k) for k in FIGURES},
                          **({"failures": run.failures} if run.failures else {})})
-            if before is not None:
-                after = plain_run(sargs, url, tokenizer, requests, seed_offset=PLAIN_SEED_OFFSET + 1)
+            if model is not None and before is not None:
+                after = plain_run(sargs, url, model, tokenizer, requests, seed_offset=PLAIN_SEED_OFFSET + 1)
                 result["harness_check"] = plain.harness_check(run.figures.get("output_throughput"), [before, after])
         return True
     finally:
         server.stop()
 
 
-def plain_run(sargs: argparse.Namespace, url: str, tokenizer: Any, requests: int,
+def plain_run(sargs: argparse.Namespace, url: str, model: str, tokenizer: Any, requests: int,
               seed_offset: int = PLAIN_SEED_OFFSET, warm_up: bool = False) -> dict[str, Any]:
     """As many prompts of the level's lengths, one client, through the plain generator (plain.py): one of the two
     runs around the harness's at one client. Fresh prompts (a seed no level uses, another for each run): the
@@ -281,8 +282,6 @@ def plain_run(sargs: argparse.Namespace, url: str, tokenizer: Any, requests: int
     from tokenfactory.bench import plain
     from tokenfactory.bench.datasets import build_dataset
     from tokenfactory.bench.serve import dataset_config
-
-    model = plain.served_model(url)
 
     def prompts(offset: int, n: int) -> list[str]:
         return [r.prompt or "" for r in build_dataset(dataset_config(sargs, n, sargs.seed + offset), tokenizer)]
