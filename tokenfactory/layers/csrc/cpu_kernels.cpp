@@ -986,6 +986,8 @@ at::Tensor q8act_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::T
   int8_t* xq = xq_buf.data();
   float *dx = dx_buf.data(), *xs = xs_buf.data(), *acc = acc_buf.data();
   auto out = at::empty({m, n}, x.options());
+  const at::ScalarType dtype = x.scalar_type();
+  char* out_bytes = static_cast<char*>(out.data_ptr());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "q8act_quantize", [&] {
     for (int64_t r = 0; r < m; ++r)
       quantize_row<scalar_t>(x.data_ptr<scalar_t>() + r * k, k, q4, xq + r * k, dx + r * nb, xs + r * nb);
@@ -997,20 +999,24 @@ at::Tensor q8act_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::T
   // 576-row layer splits 288 / 288 over 2 threads, where units of 64 split it 320 / 256 (the slower thread sets
   // the layer's time).
   constexpr int64_t unit = 16;
+  // Each thread also rounds its own columns of the output to x's dtype (one pass on the calling thread after
+  // the join was a serial stretch of every call, the other threads waiting).
   at::parallel_for(0, (n + unit - 1) / unit, 1, [&](int64_t begin, int64_t end) {
     const int64_t n0 = begin * unit, n1 = std::min(n, end * unit);
 #ifdef TF_Q8ACT_VNNI
     if (vnni) {
       (q4 ? q8act_vnni<true> : q8act_vnni<false>)(c, s, mn, n0, n1, n, m, k, xq, dx, xs, acc);
-      return;
-    }
+    } else
 #endif
-    for (int64_t r = 0; r < m; ++r)
-      q8act_rows_plain(c, s, mn, q4, n0, n1, k, xq + r * k, dx + r * nb, xs + r * nb, acc + r * n);
-  });
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "q8act_out", [&] {
-    scalar_t* o = out.data_ptr<scalar_t>();
-    for (int64_t i = 0; i < m * n; ++i) o[i] = static_cast<scalar_t>(acc[i]);
+    {
+      for (int64_t r = 0; r < m; ++r)
+        q8act_rows_plain(c, s, mn, q4, n0, n1, k, xq + r * k, dx + r * nb, xs + r * nb, acc + r * n);
+    }
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "q8act_out", [&] {
+      scalar_t* o = reinterpret_cast<scalar_t*>(out_bytes);
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t i = n0; i < n1; ++i) o[r * n + i] = static_cast<scalar_t>(acc[r * n + i]);
+    });
   });
   return out;
 }
