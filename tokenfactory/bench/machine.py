@@ -263,7 +263,7 @@ def serve_group(args: argparse.Namespace, name: str, model_path: Path, group: li
             rows.append({"clients": clients, "requests": requests, "status": run.status,
                          **{k: run.figures.get(k) for k in FIGURES},
                          **({"failures": run.failures} if run.failures else {})})
-            if model is not None and before is not None:
+            if before is not None:
                 after = plain_run(sargs, url, model, tokenizer, requests, seed_offset=PLAIN_SEED_OFFSET + 1)
                 result["harness_check"] = plain.harness_check(run.figures.get("output_throughput"), [before, after])
         return True

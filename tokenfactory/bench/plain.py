@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import statistics
 import threading
 import time
 from collections.abc import Sequence
@@ -98,8 +99,7 @@ def harness_check(harness_tok_s: float | None, runs: Sequence[dict[str, Any]]) -
     measurements one after the other move apart by the drift; the mean of the two around the harness cancels a
     steady one)."""
     each = [r.get("output_throughput") for r in runs]
-    known = [x for x in each if x]
-    theirs = sum(known) / len(known) if known and len(known) == len(each) else None
+    theirs = statistics.fmean(each) if each and all(each) else None
     ratio = harness_tok_s / theirs if harness_tok_s and theirs else None
     return {"harness_tok_s": harness_tok_s, "plain_tok_s": None if theirs is None else round(theirs, 2),
             "plain_tok_s_each": each, "ratio": None if ratio is None else round(ratio, 3),

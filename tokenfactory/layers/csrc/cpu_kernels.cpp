@@ -986,8 +986,6 @@ at::Tensor q8act_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::T
   int8_t* xq = xq_buf.data();
   float *dx = dx_buf.data(), *xs = xs_buf.data(), *acc = acc_buf.data();
   auto out = at::empty({m, n}, x.options());
-  const at::ScalarType dtype = x.scalar_type();
-  char* out_bytes = static_cast<char*>(out.data_ptr());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "q8act_quantize", [&] {
     for (int64_t r = 0; r < m; ++r)
       quantize_row<scalar_t>(x.data_ptr<scalar_t>() + r * k, k, q4, xq + r * k, dx + r * nb, xs + r * nb);
@@ -1012,8 +1010,8 @@ at::Tensor q8act_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::T
       for (int64_t r = 0; r < m; ++r)
         q8act_rows_plain(c, s, mn, q4, n0, n1, k, xq + r * k, dx + r * nb, xs + r * nb, acc + r * n);
     }
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "q8act_out", [&] {
-      scalar_t* o = reinterpret_cast<scalar_t*>(out_bytes);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "q8act_out", [&] {
+      scalar_t* o = out.data_ptr<scalar_t>();
       for (int64_t r = 0; r < m; ++r)
         for (int64_t i = n0; i < n1; ++i) o[r * n + i] = static_cast<scalar_t>(acc[r * n + i]);
     });
