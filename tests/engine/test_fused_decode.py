@@ -1,8 +1,11 @@
 """The compiled decode step (models/llama.py DecodePlan) against the model's Python forward: the same bits for
-every decode step, on tiny random-weight models (dense, int4 and int8 weights, q/k/v biases)
-and on the real bundled model as served by default."""
+every decode step, on tiny random-weight models (dense, int4 and int8 weights, q/k/v biases, sliding windows per
+layer), op by op and in one parallel region, on one thread and two, and on the real bundled model as served by
+default."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -44,9 +47,13 @@ def model_kv(model) -> list:
     return _KV[id(model)]
 
 
-def run_checked(engine: LLMEngine, prompts: list[list[int]], max_tokens: int = 10) -> Checked:
+def run_checked(engine: LLMEngine, prompts: list[list[int]], max_tokens: int = 10,
+                one_region: bool | None = None) -> Checked:
+    """`one_region`: asked for (True: it must be possible) or refused; None: the plan's default."""
     runner = engine.runner
     assert runner.decode_step is not None, "the plan applies to this model"
+    if one_region is not None:
+        assert runner.decode_step.set_one_region(one_region) == one_region
     checked = Checked(runner.decode_step)
     _KV[id(runner.model)] = runner.kv_caches
     runner.decode_step = checked  # type: ignore[assignment]
@@ -65,18 +72,33 @@ def prompts(n: int, seed: int = 1) -> list[list[int]]:
     return [torch.randint(0, 49152, (k,), generator=gen).tolist() for k in lengths]
 
 
-@pytest.mark.parametrize(("arch", "quantization"), [("llama", "none"), ("qwen2", "none"), ("llama", "int4"),
-                                                    ("qwen2", "int8")])
-def test_fused_decode_step_is_the_python_forward_bit_for_bit(tmp_path, arch, quantization) -> None:
+@pytest.mark.parametrize(("arch", "quantization", "windows"), [
+    ("llama", "none", None), ("qwen2", "none", None), ("llama", "int4", None), ("qwen2", "int8", None),
+    ("llama", "int4", (7, None)), ("qwen2", "int8", (None, 20))])
+def test_fused_decode_step_is_the_python_forward_bit_for_bit(tmp_path, arch, quantization, windows) -> None:
     if quantization != "none" and not q8act_available():
         pytest.skip("the int8-activation kernels need AVX-512 VNNI; other packed kernels keep the Python step")
     folder = tiny_random_model_dir(tmp_path, arch, hidden_size=128, intermediate_size=256, num_heads=4,
                                    num_kv_heads=2, attention_bias=None)
+    loaded = load_model(folder)
+    if windows is not None:  # a sliding window on some layers, full attention on others
+        loaded = dataclasses.replace(loaded, config=dataclasses.replace(loaded.config, layer_windows=windows))
     engine = LLMEngine(EngineConfig(dtype="bfloat16", block_size=8, kv_cache_memory=8 << 20, max_model_len=256,
-                                    quantization=quantization, machine_profile="off"), load_model(folder))
-    checked = run_checked(engine, prompts(5))
-    assert checked.steps >= 9 and max(checked.rows) > 1  # batched decode steps took the plan
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+                                    quantization=quantization, machine_profile="off"), loaded)
+    # Every linear layer on the int8-activation kernel: one parallel region by default, op by op when refused.
+    modes = [None] if quantization == "none" else [None, False]
+    threads = torch.get_num_threads()
+    try:
+        for one_region in modes:
+            for n in sorted({1, min(2, threads)}):
+                torch.set_num_threads(n)
+                checked = run_checked(engine, prompts(5), one_region=one_region)
+                assert checked.steps >= 9 and max(checked.rows) > 1  # batched decode steps took the plan
+                assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    finally:
+        torch.set_num_threads(threads)
+    if quantization == "none":  # a dense layer has no int8-activation kernel: always op by op
+        assert engine.runner.decode_step.set_one_region(True) is False
 
 
 def test_no_plan_where_it_cannot_match_the_forward(tmp_path) -> None:
@@ -94,6 +116,7 @@ def test_no_plan_where_it_cannot_match_the_forward(tmp_path) -> None:
 def test_bundled_model_decodes_through_the_plan_as_served(bundled) -> None:
     """The bundled GGUF with the server's defaults (its own quantization, bfloat16): one stream and a batch."""
     engine = LLMEngine(EngineConfig(kv_cache_memory=64 << 20, max_model_len=512, machine_profile="off"), bundled)
-    checked = run_checked(engine, prompts(1, seed=4), max_tokens=16)
+    one_region = True if q8act_available() else None  # its int8/int4 layers in one parallel region where they can
+    checked = run_checked(engine, prompts(1, seed=4), max_tokens=16, one_region=one_region)
     checked = run_checked(engine, prompts(6, seed=5), max_tokens=8)
     assert checked.steps >= 7 and max(checked.rows) == 6

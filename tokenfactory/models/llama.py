@@ -170,6 +170,11 @@ class DecodePlan:
     def fits(self, meta: AttentionMetadata, num_rows: int) -> bool:
         return not meta.prefills and meta.num_decode_tokens == num_rows <= self.max_rows
 
+    def set_one_region(self, on: bool) -> bool:
+        """Run a step's ops in one parallel region, meeting at barriers (the default where every linear layer is
+        on the int8-activation kernel), or op by op; the same bits either way. Returns whether it now does."""
+        return bool(self.plan.set_one_region(on))  # type: ignore[attr-defined]
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions (T,) -> hidden states (T, h), before the final norm, as `forward` returns them."""
         tables, lens, starts = meta.decode_block_tables, meta.decode_seq_lens, meta.decode_query_start

@@ -22,10 +22,15 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #ifdef __AVX512F__
 #include <immintrin.h>  // decode attention's AVX-512 path (any AVX-512 CPU)
@@ -310,40 +315,52 @@ void decode_span(const T* q, const T* k_head, const T* v_head, const int64_t* ta
   });
 }
 
-template <typename T, int64_t D>
-void run_decode_spans(const T* qp, const T* kp, const T* vp, const int64_t* tables_p, const int64_t* lens_p,
-                      int64_t num_seqs, int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                      int64_t num_blocks, int64_t block_size, int64_t window, float scale, T* op) {
-  const int64_t group = num_heads / num_kv_heads, d = D > 0 ? D : head_dim, part_size = group * (d + 2);
-  // One task per (sequence, KSPAN-aligned span from its window's start, KV head), in that order; offsets[s]: the
-  // sequence's first task; work[task]: the keys before it (a prefix sum).
+// The tasks of one decode step's attention: one per (sequence, KSPAN-aligned span from its window's start, KV head),
+// in that order; offsets[s]: the sequence's first task. Thread slot t runs the tasks [bounds[t], bounds[t + 1]),
+// each into its part (per query of the group: m, l, then d weighted values); the merge then joins a (sequence, KV
+// head)'s parts. Shared by run_decode_spans and the decode plan's one parallel region.
+struct SpanPlan {
   struct Task {
     int64_t s, h, t0, t1;
   };
   std::vector<Task> tasks;
-  std::vector<int64_t> offsets(num_seqs + 1, 0), work(1, 0);
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t lo = window > 0 ? std::max<int64_t>(0, lens_p[s] - window) : 0;
-    for (int64_t c = lo / KSPAN; c * KSPAN < lens_p[s]; ++c)
-      for (int64_t h = 0; h < num_kv_heads; ++h) {
-        tasks.push_back({s, h, std::max(lo, c * KSPAN), std::min(lens_p[s], (c + 1) * KSPAN)});
-        work.push_back(work.back() + tasks.back().t1 - tasks.back().t0);
-      }
-    offsets[s + 1] = static_cast<int64_t>(tasks.size());
+  std::vector<int64_t> offsets, bounds;
+  std::vector<float> parts;
+  int64_t num_kv_heads = 0, group = 0, d = 0, part_size = 0, threads = 0;
+
+  void build(const int64_t* lens_p, int64_t num_seqs, int64_t num_heads, int64_t kv_heads, int64_t head_dim,
+             int64_t window, int64_t max_threads) {
+    num_kv_heads = kv_heads, group = num_heads / kv_heads, d = head_dim, part_size = group * (d + 2);
+    tasks.clear();
+    offsets.assign(num_seqs + 1, 0);
+    std::vector<int64_t> work(1, 0);  // work[task]: the keys before it (a prefix sum)
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, lens_p[s] - window) : 0;
+      for (int64_t c = lo / KSPAN; c * KSPAN < lens_p[s]; ++c)
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          tasks.push_back({s, h, std::max(lo, c * KSPAN), std::min(lens_p[s], (c + 1) * KSPAN)});
+          work.push_back(work.back() + tasks.back().t1 - tasks.back().t0);
+        }
+      offsets[s + 1] = static_cast<int64_t>(tasks.size());
+    }
+    const int64_t num_tasks = offsets[num_seqs], total = work[num_tasks];
+    parts.resize(static_cast<size_t>(num_tasks * part_size));
+    // Each thread takes the tasks whose middle key falls in its equal share of all the keys: equal numbers of
+    // tasks would not do, as a sequence's last span is usually short (one sequence of 200 keys split 384 / 216 key
+    // rows over two threads).
+    threads = std::max<int64_t>(1, std::min<int64_t>(max_threads, num_tasks));
+    bounds.assign(threads + 1, num_tasks);
+    bounds[0] = 0;
+    for (int64_t task = 0, th = 1; task < num_tasks && th < threads; ++task)
+      while (th < threads && (work[task] + work[task + 1]) * threads > 2 * th * total) bounds[th++] = task;
   }
-  const int64_t num_tasks = offsets[num_seqs];
-  std::vector<float> parts(static_cast<size_t>(num_tasks * part_size));
-  const int64_t head_stride = num_blocks * block_size * d;
-  // Each thread takes the tasks whose middle key falls in its equal share of all the keys: at::parallel_for would
-  // hand out equal numbers of tasks, and a sequence's last span is usually short (one sequence of 200 keys split
-  // 384 / 216 key rows over two threads).
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), num_tasks), total = work[num_tasks];
-  std::vector<int64_t> bounds(threads + 1, num_tasks);
-  bounds[0] = 0;
-  for (int64_t task = 0, th = 1; task < num_tasks && th < threads; ++task)
-    while (th < threads && (work[task] + work[task + 1]) * threads > 2 * th * total) bounds[th++] = task;
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = bounds[begin]; task < bounds[end]; ++task) {
+
+  // Thread slot `slot`'s spans of q (T, num_heads, d) against one layer's caches.
+  template <typename T, int64_t D>
+  void run(int64_t slot, const T* qp, const T* kp, const T* vp, const int64_t* tables_p, int64_t max_blocks,
+           int64_t num_heads, int64_t num_blocks, int64_t block_size, float scale) {
+    const int64_t head_stride = num_blocks * block_size * d;
+    for (int64_t task = bounds[slot]; task < bounds[slot + 1]; ++task) {
       const Task& k = tasks[task];
       const T* qs = qp + (k.s * num_heads + k.h * group) * d;
       const int64_t* table = tables_p + k.s * max_blocks;
@@ -358,10 +375,13 @@ void run_decode_spans(const T* qp, const T* kp, const T* vp, const int64_t* tabl
       decode_span<T, D>(qs, kp + k.h * head_stride, vp + k.h * head_stride, table, block_size, k.t0, k.t1, group, d,
                         scale, part);
     }
-  });
-  at::parallel_for(0, num_seqs * num_kv_heads, 16, [&](int64_t begin, int64_t end) {
+  }
+
+  // The (sequence, KV head) pairs [sh0, sh1)'s spans merged, in order, into their rows of op (T, num_heads, d).
+  template <typename T>
+  void merge(int64_t sh0, int64_t sh1, int64_t num_heads, T* op) const {
     std::vector<float> out(static_cast<size_t>(d));
-    for (int64_t sh = begin; sh < end; ++sh) {
+    for (int64_t sh = sh0; sh < sh1; ++sh) {
       const int64_t s = sh / num_kv_heads, h = sh % num_kv_heads;
       const int64_t spans = (offsets[s + 1] - offsets[s]) / num_kv_heads;
       for (int64_t g = 0; g < group; ++g) {
@@ -381,6 +401,21 @@ void run_decode_spans(const T* qp, const T* kp, const T* vp, const int64_t* tabl
         for (int64_t i = 0; i < d; ++i) o[i] = static_cast<T>(out[i] * inv);
       }
     }
+  }
+};
+
+template <typename T, int64_t D>
+void run_decode_spans(const T* qp, const T* kp, const T* vp, const int64_t* tables_p, const int64_t* lens_p,
+                      int64_t num_seqs, int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                      int64_t num_blocks, int64_t block_size, int64_t window, float scale, T* op) {
+  SpanPlan plan;
+  plan.build(lens_p, num_seqs, num_heads, num_kv_heads, D > 0 ? D : head_dim, window, at::get_num_threads());
+  at::parallel_for(0, plan.threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t slot = begin; slot < end; ++slot)
+      plan.run<T, D>(slot, qp, kp, vp, tables_p, max_blocks, num_heads, num_blocks, block_size, scale);
+  });
+  at::parallel_for(0, num_seqs * num_kv_heads, 16, [&](int64_t begin, int64_t end) {
+    plan.merge<T>(begin, end, num_heads, op);
   });
 }
 
@@ -705,6 +740,17 @@ at::Tensor silu_mul(at::Tensor gate_up) {
 // values written into the paged cache at their slots. cos/sin: the float32 tables (P, d/2), rounded to the
 // model's dtype as Rotary.forward does; each product and the sum rounded as apply_rope's ops round them.
 // Returns the rotated queries and keys (T, nh + nkv, d), contiguous.
+// One head of d = 2 * half values rotated by the tables' row (ct, st) into o.
+template <typename T>
+inline void rope_head(const T* x, const float* ct, const float* st, int64_t half, T* o) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float c = to_float(static_cast<T>(ct[i])), s = to_float(static_cast<T>(st[i]));
+    const float x1 = to_float(x[i]), x2 = to_float(x[i + half]);
+    o[i] = static_cast<T>(to_float(static_cast<T>(x1 * c)) - to_float(static_cast<T>(x2 * s)));
+    o[i + half] = static_cast<T>(to_float(static_cast<T>(x2 * c)) + to_float(static_cast<T>(x1 * s)));
+  }
+}
+
 template <typename T>
 void rope_write_rows(const T* qkv, const int64_t* pos, const float* cos, const float* sin, T* qk, T* k_cache,
                      T* v_cache, const int64_t* slots, int64_t rows, int64_t nh, int64_t nkv, int64_t d,
@@ -716,16 +762,7 @@ void rope_write_rows(const T* qkv, const int64_t* pos, const float* cos, const f
       const float* ct = cos + pos[t] * half;
       const float* st = sin + pos[t] * half;
       T* out = qk + t * (nh + nkv) * d;
-      for (int64_t h = 0; h < nh + nkv; ++h) {
-        const T* x = row + h * d;
-        T* o = out + h * d;
-        for (int64_t i = 0; i < half; ++i) {
-          const float c = to_float(static_cast<T>(ct[i])), s = to_float(static_cast<T>(st[i]));
-          const float x1 = to_float(x[i]), x2 = to_float(x[i + half]);
-          o[i] = static_cast<T>(to_float(static_cast<T>(x1 * c)) - to_float(static_cast<T>(x2 * s)));
-          o[i + half] = static_cast<T>(to_float(static_cast<T>(x2 * c)) + to_float(static_cast<T>(x1 * s)));
-        }
-      }
+      for (int64_t h = 0; h < nh + nkv; ++h) rope_head(row + h * d, ct, st, half, out + h * d);
       const int64_t slot = slots[t];
       for (int64_t h = 0; h < nkv; ++h) {
         std::memcpy(k_cache + (h * cache_slots + slot) * d, out + (nh + h) * d, d * sizeof(T));
@@ -733,6 +770,24 @@ void rope_write_rows(const T* qkv, const int64_t* pos, const float* cos, const f
       }
     }
   });
+}
+
+// rope_write_kv's checks: float32 (P, d/2) tables, and one position inside them and one slot inside the cache
+// (of cache_slots) a row.
+void check_rope_args(const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& pos, const at::Tensor& sl,
+                     int64_t rows, int64_t d, int64_t cache_slots) {
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.dim() == 2 && cos.size(1) == d / 2 && sin.sizes() == cos.sizes(),
+              "rope_write_kv: float32 (P, d/2) tables");
+  TORCH_CHECK(pos.scalar_type() == at::kLong && sl.scalar_type() == at::kLong && pos.numel() == rows &&
+                  sl.numel() == rows && pos.is_contiguous() && sl.is_contiguous(),
+              "rope_write_kv: one long position and slot per row");
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  for (int64_t t = 0; t < rows; ++t) {
+    TORCH_CHECK(pp[t] >= 0 && pp[t] < cos.size(0), "rope_write_kv: position outside the tables");
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < cache_slots, "rope_write_kv: slot outside the cache");
+  }
 }
 
 at::Tensor rope_write_kv(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::Tensor sin,
@@ -745,20 +800,12 @@ at::Tensor rope_write_kv(at::Tensor qkv, at::Tensor positions, at::Tensor cos, a
               "rope_write_kv: qkv must be (T, (nh + 2 nkv) d)");
   TORCH_CHECK(qkv.scalar_type() == k_cache.scalar_type() && qkv.scalar_type() == v_cache.scalar_type(),
               "rope_write_kv: a cache in the model's dtype");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-                  sin.is_contiguous() && cos.dim() == 2 && cos.size(1) == d / 2 && sin.sizes() == cos.sizes(),
-              "rope_write_kv: float32 (P, d/2) tables");
   auto pos = positions.contiguous();
   auto sl = slots.contiguous();
-  TORCH_CHECK(pos.scalar_type() == at::kLong && sl.scalar_type() == at::kLong && pos.numel() == rows &&
-                  sl.numel() == rows, "rope_write_kv: one long position and slot per row");
   const int64_t cache_slots = k_cache.size(1) * k_cache.size(2);
+  check_rope_args(cos, sin, pos, sl, rows, d, cache_slots);
   const int64_t* pp = pos.data_ptr<int64_t>();
   const int64_t* sp = sl.data_ptr<int64_t>();
-  for (int64_t t = 0; t < rows; ++t) {
-    TORCH_CHECK(pp[t] >= 0 && pp[t] < cos.size(0), "rope_write_kv: position outside the tables");
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < cache_slots, "rope_write_kv: slot outside the cache");
-  }
   auto qk = at::empty({rows, num_heads + num_kv_heads, d}, qkv.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_write_kv", [&] {
     rope_write_rows<scalar_t>(qkv.data_ptr<scalar_t>(), pp, cos.data_ptr<float>(), sin.data_ptr<float>(),
@@ -812,12 +859,12 @@ bool q8act_fast_path() {
 #endif
 }
 
-// One row of activations quantized. int4 order: for each pair of blocks (2p, 2p + 1) 64 bytes, the first 16
-// values of each block, then the last 16 of each, matching the nibbles of 32 code bytes split low | high.
+// Blocks [b0, b1) of one row of activations quantized (b0 even: a pair of int4 blocks is never split). int4
+// order: for each pair of blocks (2p, 2p + 1) 64 bytes, the first 16 values of each block, then the last 16 of
+// each, matching the nibbles of 32 code bytes split low | high.
 template <typename T>
-void quantize_row(const T* x, int64_t k, bool q4, int8_t* xq, float* d, float* xs) {
-  const int64_t nb = k / QBLOCK;
-  for (int64_t b = 0; b < nb; ++b) {
+void quantize_blocks(const T* x, int64_t b0, int64_t b1, int64_t nb, bool q4, int8_t* xq, float* d, float* xs) {
+  for (int64_t b = b0; b < b1; ++b) {
     float v[QBLOCK];
     float amax = 0.f;
     for (int64_t i = 0; i < QBLOCK; ++i) {
@@ -842,6 +889,12 @@ void quantize_row(const T* x, int64_t k, bool q4, int8_t* xq, float* d, float* x
       std::memcpy(xq + b * QBLOCK, q, QBLOCK);
     }
   }
+}
+
+// One row of activations quantized (K values, K / 32 blocks).
+template <typename T>
+void quantize_row(const T* x, int64_t k, bool q4, int8_t* xq, float* d, float* xs) {
+  quantize_blocks(x, 0, k / QBLOCK, k / QBLOCK, q4, xq, d, xs);
 }
 
 // Plain loops: any build (the reference the fast path is tested against, through the same entry point).
@@ -962,6 +1015,46 @@ void q8act_vnni(const uint8_t* codes, const c10::Half* scales, const c10::Half* 
 }
 #endif
 
+// One int8-activation linear layer's weights (see above); bias: nullptr for none, else (N,) in the activations'
+// dtype, added to the rounded product and rounded again (as `y + bias`).
+struct Q8Weights {
+  const uint8_t* codes;
+  const c10::Half *scales, *mins;
+  const void* bias;
+  bool q4, vnni;
+};
+
+// A layer's output rows go to threads in units of 16 (whole tiles), each thread's as one contiguous run: a 576-row
+// layer splits 288 / 288 over 2 threads, where units of 64 split it 320 / 256 (the slower thread sets its time).
+constexpr int64_t Q8_UNIT = 16;
+inline int64_t q8act_units(int64_t n) { return (n + Q8_UNIT - 1) / Q8_UNIT; }
+
+// Output columns [n0, n1) of every activation row (xq, dx, xs from quantize_row) into acc (M, N) float32, then
+// rounded into out (M, N): each thread rounds its own columns (one pass on the calling thread after the join was
+// a serial stretch of every call, the other threads waiting).
+template <typename T>
+void q8act_columns(const Q8Weights& w, int64_t n0, int64_t n1, int64_t n, int64_t m, int64_t k, const int8_t* xq,
+                   const float* dx, const float* xs, float* acc, T* out) {
+  if (n0 >= n1) return;
+  const int64_t nb = k / QBLOCK;
+#ifdef TF_Q8ACT_VNNI
+  if (w.vnni) {
+    (w.q4 ? q8act_vnni<true> : q8act_vnni<false>)(w.codes, w.scales, w.mins, n0, n1, n, m, k, xq, dx, xs, acc);
+  } else
+#endif
+  {
+    for (int64_t r = 0; r < m; ++r)
+      q8act_rows_plain(w.codes, w.scales, w.mins, w.q4, n0, n1, k, xq + r * k, dx + r * nb, xs + r * nb,
+                       acc + r * n);
+  }
+  const T* bias = static_cast<const T*>(w.bias);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t i = n0; i < n1; ++i) {
+      const T y = static_cast<T>(acc[r * n + i]);
+      out[r * n + i] = bias ? static_cast<T>(to_float(y) + to_float(bias[i])) : y;
+    }
+}
+
 // x (M, K) float32 / bfloat16 / float16 -> (M, N) in x's dtype. `mins` is ignored for int8 codes.
 at::Tensor q8act_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor mins,
                            bool q4, bool fast) {
@@ -990,31 +1083,238 @@ at::Tensor q8act_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::T
     for (int64_t r = 0; r < m; ++r)
       quantize_row<scalar_t>(x.data_ptr<scalar_t>() + r * k, k, q4, xq + r * k, dx + r * nb, xs + r * nb);
   });
-  const uint8_t* c = codes.data_ptr<uint8_t>();
-  const c10::Half* s = scales.data_ptr<c10::Half>();
-  const c10::Half* mn = q4 ? mins.data_ptr<c10::Half>() : nullptr;
-  // Units of 16 output rows (whole tiles), which at::parallel_for hands each thread as one contiguous run: a
-  // 576-row layer splits 288 / 288 over 2 threads, where units of 64 split it 320 / 256 (the slower thread sets
-  // the layer's time).
-  constexpr int64_t unit = 16;
-  // Each thread also rounds its own columns of the output to x's dtype (one pass on the calling thread after
-  // the join was a serial stretch of every call, the other threads waiting).
-  at::parallel_for(0, (n + unit - 1) / unit, 1, [&](int64_t begin, int64_t end) {
-    const int64_t n0 = begin * unit, n1 = std::min(n, end * unit);
-#ifdef TF_Q8ACT_VNNI
-    if (vnni) {
-      (q4 ? q8act_vnni<true> : q8act_vnni<false>)(c, s, mn, n0, n1, n, m, k, xq, dx, xs, acc);
-    } else
-#endif
-    {
-      for (int64_t r = 0; r < m; ++r)
-        q8act_rows_plain(c, s, mn, q4, n0, n1, k, xq + r * k, dx + r * nb, xs + r * nb, acc + r * n);
-    }
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "q8act_out", [&] {
-      scalar_t* o = out.data_ptr<scalar_t>();
-      for (int64_t r = 0; r < m; ++r)
-        for (int64_t i = n0; i < n1; ++i) o[r * n + i] = static_cast<scalar_t>(acc[r * n + i]);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "q8act_out", [&] {
+    const Q8Weights w{codes.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(),
+                      q4 ? mins.data_ptr<c10::Half>() : nullptr, nullptr, q4, vnni};
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, q8act_units(n), 1, [&](int64_t begin, int64_t end) {
+      q8act_columns<scalar_t>(w, begin * Q8_UNIT, std::min(n, end * Q8_UNIT), n, m, k, xq, dx, xs, acc, o);
     });
   });
   return out;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// DecodePlan's one parallel region (cpu_kernels.h). Op by op, a one-row decode token of the bundled model forked
+// and joined the threads ~150 times and allocated ~200 tensors, and each op checked its arguments again; here the
+// checks run once, the scratch is kept by the calling thread, and the team meets at barriers. Serial work stays
+// serial where it was (a row's norm and quantization, its rotation) and is spread over rows where a step has
+// several; SiLU·mul and the down layer's quantization are spread over a row's pairs of blocks.
+
+bool DecodePlan::region_possible() const {
+#if defined(_OPENMP) && defined(TF_Q8ACT_VNNI)
+  if (layers_.empty()) return false;
+  const auto& cache = layers_[0].k_cache;
+  for (const PlanLayer& l : layers_) {
+    if (l.k_cache.sizes() != cache.sizes() || l.v_cache.sizes() != cache.sizes() || !l.k_cache.is_contiguous() ||
+        !l.v_cache.is_contiguous() || l.k_cache.scalar_type() != at::kBFloat16 ||
+        l.v_cache.scalar_type() != at::kBFloat16 || !l.input_norm.is_contiguous() || !l.post_norm.is_contiguous() ||
+        l.input_norm.scalar_type() != at::kBFloat16 || l.post_norm.scalar_type() != at::kBFloat16)
+      return false;
+    const int64_t h = l.input_norm.numel(), inner = l.down.w.size(1) * (l.down.kind == 1 ? 2 : 1);
+    if (l.post_norm.numel() != h || l.qkv.w.size(0) != (nh_ + 2 * nkv_) * cache.size(3) || l.o.w.size(0) != h ||
+        l.gate_up.w.size(0) != 2 * inner || l.down.w.size(0) != h)
+      return false;
+    for (const PlanLinear* p : {&l.qkv, &l.o, &l.gate_up, &l.down}) {
+      const int64_t k = p->w.size(1) * (p->kind == 1 ? 2 : 1);
+      if (p->kind == 0 || k % (2 * QBLOCK) != 0 || !p->w.is_contiguous() || !p->scales.is_contiguous() ||
+          (p->kind == 1 && !p->mins.is_contiguous()) ||
+          (p->bias.numel() && (p->bias.scalar_type() != at::kBFloat16 || !p->bias.is_contiguous() ||
+                               p->bias.numel() != p->w.size(0))))
+        return false;
+    }
+  }
+  return cache.dim() == 4 && cache.size(0) == nkv_ && cache.size(3) % 2 == 0;
+#else
+  return false;
+#endif
+}
+
+#if defined(_OPENMP) && defined(TF_Q8ACT_VNNI)
+namespace {
+
+using bf16 = c10::BFloat16;
+
+// One linear layer of the region: its weights and shapes.
+struct RegionLinear {
+  Q8Weights w;
+  int64_t n, k;
+};
+
+RegionLinear region_linear(const PlanLinear& p) {
+  const bool q4 = p.kind == 1;
+  return {{p.w.data_ptr<uint8_t>(), p.scales.data_ptr<c10::Half>(), q4 ? p.mins.data_ptr<c10::Half>() : nullptr,
+           p.bias.numel() ? p.bias.data_ptr<bf16>() : nullptr, q4, true},
+          p.w.size(0), p.w.size(1) * (q4 ? 2 : 1)};
+}
+
+// [begin, end) of `total` items for thread `tid` of `team`, in equal contiguous shares.
+inline void share(int64_t total, int64_t tid, int64_t team, int64_t& begin, int64_t& end) {
+  begin = total * tid / team;
+  end = total * (tid + 1) / team;
+}
+
+// The activations of the next linear layer, quantized: a thread's rows of (rows, k) values.
+struct Quantized {
+  int8_t* xq;
+  float *d, *xs;
+  void row(const bf16* x, int64_t r, int64_t k, bool q4) const {
+    const int64_t nb = k / QBLOCK;
+    quantize_row(x, k, q4, xq + r * k, d + r * nb, xs + r * nb);
+  }
+};
+
+// A thread's share of one linear layer over the quantized rows: whole units of output columns, rounded into out.
+inline void region_matmul(const RegionLinear& l, int64_t rows, const Quantized& in, float* acc, bf16* out,
+                          int64_t tid, int64_t team) {
+  int64_t u0, u1;
+  share(q8act_units(l.n), tid, team, u0, u1);
+  q8act_columns<bf16>(l.w, u0 * Q8_UNIT, std::min(l.n, u1 * Q8_UNIT), l.n, rows, l.k, in.xq, in.d, in.xs, acc,
+                      out);
+}
+
+}  // namespace
+#endif
+
+at::Tensor DecodePlan::run_region(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin,
+                                  at::Tensor slots, at::Tensor block_tables, at::Tensor seq_lens,
+                                  at::Tensor query_start) const {
+#if defined(_OPENMP) && defined(TF_Q8ACT_VNNI)
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
+              "DecodePlan.run: x must be contiguous (T, h) bfloat16");
+  const PlanLayer& first = layers_[0];
+  const int64_t rows = x.size(0), h = x.size(1), nh = nh_, nkv = nkv_, d = first.k_cache.size(3);
+  const int64_t num_blocks = first.k_cache.size(1), block_size = first.k_cache.size(2);
+  auto pos = positions.contiguous(), sl = slots.contiguous(), tables = block_tables.contiguous();
+  auto lens = seq_lens.contiguous(), starts = query_start.contiguous();
+  TORCH_CHECK(starts.scalar_type() == at::kLong && starts.dim() == 1 && starts.numel() == rows + 1,
+              "DecodePlan.run: query_start must be (S + 1,) int64");
+  const int64_t* starts_p = starts.data_ptr<int64_t>();
+  for (int64_t s = 0; s <= rows; ++s)
+    if (starts_p[s] != s) return at::Tensor();  // not one row a sequence: op by op
+  check_rope_args(cos, sin, pos, sl, rows, d, num_blocks * block_size);
+  auto q = at::empty({rows, nh, d}, x.options());
+  // One span plan a distinct window (every layer's caches have the first's shape: region_possible).
+  std::vector<std::pair<int64_t, SpanPlan>> plans;
+  const int64_t team_max = at::in_parallel_region() ? 1 : at::get_num_threads();
+  for (const PlanLayer& l : layers_) {
+    bool seen = false;
+    for (const auto& p : plans) seen = seen || p.first == l.window;
+    if (seen) continue;
+    check_decode_args(q, first.k_cache, first.v_cache, tables, lens, starts, l.window);
+    plans.emplace_back(l.window, SpanPlan());
+    plans.back().second.build(lens.data_ptr<int64_t>(), rows, nh, nkv, d, l.window, team_max);
+  }
+  std::vector<std::array<RegionLinear, 4>> lin;
+  int64_t max_k = h, max_n = h;
+  for (const PlanLayer& l : layers_) {
+    lin.push_back({region_linear(l.qkv), region_linear(l.o), region_linear(l.gate_up), region_linear(l.down)});
+    for (const RegionLinear& r : lin.back()) max_k = std::max(max_k, r.k), max_n = std::max(max_n, r.n);
+  }
+  // Scratch kept by the calling thread between steps (its own: the team uses these pointers, not the names).
+  thread_local std::vector<bf16> hidden_buf, wide_buf, attn_buf, delta_buf, act_buf;
+  thread_local std::vector<int8_t> xq_buf;
+  thread_local std::vector<float> dx_buf, xs_buf, acc_buf;
+  hidden_buf.resize(rows * h), delta_buf.resize(rows * h), attn_buf.resize(rows * nh * d);
+  wide_buf.resize(rows * max_n), act_buf.resize(rows * max_k), xq_buf.resize(rows * max_k);
+  dx_buf.resize(rows * max_k / QBLOCK), xs_buf.resize(rows * max_k / QBLOCK), acc_buf.resize(rows * max_n);
+  bf16 *hidden = hidden_buf.data(), *wide = wide_buf.data(), *attn = attn_buf.data(), *delta = delta_buf.data();
+  bf16* act = act_buf.data();
+  float* acc = acc_buf.data();
+  const Quantized in{xq_buf.data(), dx_buf.data(), xs_buf.data()};
+  bf16 *xp = x.data_ptr<bf16>(), *qp = q.data_ptr<bf16>();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  const float *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
+  const int64_t* tables_p = tables.data_ptr<int64_t>();
+  const int64_t max_blocks = tables.size(1), half = d / 2, slots_per_head = num_blocks * block_size;
+  const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_);
+#pragma omp parallel num_threads(team_max) if (team_max > 1)
+  {
+    const int64_t tid = omp_get_thread_num(), team = omp_get_num_threads();
+    int64_t r0, r1;
+    share(rows, tid, team, r0, r1);
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const PlanLayer& l = layers_[i];
+      const RegionLinear &qkv = lin[i][0], &o = lin[i][1], &gate_up = lin[i][2], &down = lin[i][3];
+      SpanPlan* plan = nullptr;
+      for (auto& p : plans)
+        if (p.first == l.window) plan = &p.second;
+      // The residual add (after the first layer) and the input norm of this thread's rows, quantized for qkv.
+      for (int64_t r = r0; r < r1; ++r) {
+        bf16 *xr = xp + r * h, *hr = hidden + r * h;
+        if (i > 0)
+          for (int64_t c = 0; c < h; ++c) xr[c] = static_cast<bf16>(to_float(xr[c]) + to_float(delta[r * h + c]));
+        rms_norm_row(xr, l.input_norm.data_ptr<bf16>(), hr, h, eps);
+        in.row(hr, r, h, qkv.w.q4);
+      }
+#pragma omp barrier
+      region_matmul(qkv, rows, in, acc, wide, tid, team);
+#pragma omp barrier
+      // Rotation: queries into q, keys and values into the caches at the rows' slots.
+      bf16 *kc = l.k_cache.data_ptr<bf16>(), *vc = l.v_cache.data_ptr<bf16>();
+      for (int64_t r = r0; r < r1; ++r) {
+        const bf16* row = wide + r * qkv.n;
+        const float *ct = cp + pp[r] * half, *st = snp + pp[r] * half;
+        for (int64_t hd = 0; hd < nh; ++hd) rope_head(row + hd * d, ct, st, half, qp + (r * nh + hd) * d);
+        for (int64_t hd = 0; hd < nkv; ++hd) {
+          rope_head(row + (nh + hd) * d, ct, st, half, kc + (hd * slots_per_head + sp[r]) * d);
+          std::memcpy(vc + (hd * slots_per_head + sp[r]) * d, row + (nh + nkv + hd) * d, d * sizeof(bf16));
+        }
+      }
+#pragma omp barrier
+      for (int64_t slot = tid; slot < plan->threads; slot += team) {
+        if (d == 64)
+          plan->run<bf16, 64>(slot, qp, kc, vc, tables_p, max_blocks, nh, num_blocks, block_size, scale);
+        else if (d == 128)
+          plan->run<bf16, 128>(slot, qp, kc, vc, tables_p, max_blocks, nh, num_blocks, block_size, scale);
+        else
+          plan->run<bf16, 0>(slot, qp, kc, vc, tables_p, max_blocks, nh, num_blocks, block_size, scale);
+      }
+#pragma omp barrier
+      // Each sequence (one row) merged by the thread that owns its row, and quantized for o.
+      plan->merge<bf16>(r0 * nkv, r1 * nkv, nh, attn);
+      for (int64_t r = r0; r < r1; ++r) in.row(attn + r * nh * d, r, nh * d, o.w.q4);
+#pragma omp barrier
+      region_matmul(o, rows, in, acc, delta, tid, team);
+#pragma omp barrier
+      for (int64_t r = r0; r < r1; ++r) {
+        bf16 *xr = xp + r * h, *hr = hidden + r * h;
+        for (int64_t c = 0; c < h; ++c) xr[c] = static_cast<bf16>(to_float(xr[c]) + to_float(delta[r * h + c]));
+        rms_norm_row(xr, l.post_norm.data_ptr<bf16>(), hr, h, eps);
+        in.row(hr, r, h, gate_up.w.q4);
+      }
+#pragma omp barrier
+      region_matmul(gate_up, rows, in, acc, wide, tid, team);
+#pragma omp barrier
+      // SiLU(gate) · up by pairs of blocks of the down layer's input, each pair quantized where it is made.
+      {
+        const int64_t inner = down.k, pairs = inner / (2 * QBLOCK), nb = inner / QBLOCK;
+        int64_t p0, p1;
+        share(rows * pairs, tid, team, p0, p1);
+        for (int64_t item = p0; item < p1; ++item) {
+          const int64_t r = item / pairs, c0 = (item % pairs) * 2 * QBLOCK;
+          const bf16 *g = wide + r * 2 * inner + c0, *u = g + inner;
+          bf16* out = act + r * inner;
+          float a[2 * QBLOCK];
+          for (int64_t c = 0; c < 2 * QBLOCK; ++c) a[c] = to_float(g[c]);
+          silu_inplace(a, 2 * QBLOCK);
+          for (int64_t c = 0; c < 2 * QBLOCK; ++c)
+            out[c0 + c] = static_cast<bf16>(to_float(static_cast<bf16>(a[c])) * to_float(u[c]));
+          const int64_t b = c0 / QBLOCK;
+          quantize_blocks(out, b, b + 2, nb, down.w.q4, in.xq + r * inner, in.d + r * nb, in.xs + r * nb);
+        }
+      }
+#pragma omp barrier
+      region_matmul(down, rows, in, acc, delta, tid, team);
+#pragma omp barrier
+    }
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t c = 0; c < h; ++c)
+        xp[r * h + c] = static_cast<bf16>(to_float(xp[r * h + c]) + to_float(delta[r * h + c]));
+  }
+  return x;
+#else
+  return at::Tensor();
+#endif
 }

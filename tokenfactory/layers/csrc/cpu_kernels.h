@@ -72,13 +72,18 @@ class DecodePlan {
       layers_.push_back(PlanLayer{t[0], t[1], t[2], t[3], linear(0), linear(1), linear(2), linear(3),
                                   windows[i]});
     }
+    one_region_ = region_possible();
   }
 
   // x (T, h): the tokens' embeddings, updated in place as the residual stream -> the hidden states before the
-  // final norm. Every row a decode row (no prefill span).
+  // final norm. Every row a decode row (no prefill span). In one parallel region where it can (`one_region`).
   at::Tensor run(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin,
                     at::Tensor slots, at::Tensor block_tables, at::Tensor seq_lens,
                     at::Tensor query_start) const {
+    if (one_region_ && x.dim() == 2 && x.scalar_type() == at::kBFloat16) {
+      auto y = run_region(x, positions, cos, sin, slots, block_tables, seq_lens, query_start);
+      if (y.defined()) return y;
+    }
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "DecodePlan.run: x must be contiguous (T, h)");
     at::Tensor delta;
     for (const PlanLayer& l : layers_) {
@@ -91,10 +96,26 @@ class DecodePlan {
     return delta.defined() ? x + delta : x;
   }
 
+  // The whole step in one OpenMP parallel region, its ops separated by barriers rather than each forking and
+  // joining the threads and allocating its output (~150 of each a token at one row): the same kernels and
+  // rounding, so the same bits. Possible when every linear layer is on the int8-activation fast path; an
+  // undefined tensor where this step cannot run so (not one row a sequence), which `run` then runs op by op.
+  at::Tensor run_region(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor slots,
+                        at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_start) const;
+
+  // Whether `run` takes the one-region path: asked for (`on`) and possible. Returns the state now.
+  bool set_one_region(bool on) {
+    one_region_ = on && region_possible();
+    return one_region_;
+  }
+
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
+  bool region_possible() const;
+
   std::vector<PlanLayer> layers_;
   int64_t nh_, nkv_;
   double scale_, eps_;
+  bool one_region_ = false;
 };
