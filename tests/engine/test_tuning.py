@@ -130,6 +130,16 @@ def test_a_profile_for_another_machine_or_a_broken_file_is_measured_again(tiny_q
         assert p is not None and p.source == "measured" and "unreadable" in caplog.text
 
 
+def test_changed_kernels_are_timed_again(tiny_q4, cache, monkeypatch) -> None:
+    """The profile times our compiled kernels: when their sources change, the cached crossovers are not theirs."""
+    first = engine(tiny_q4).runner.machine_profile
+    assert first is not None and first.source == "measured"
+    assert engine(tiny_q4).runner.machine_profile.source == "cached"
+    monkeypatch.setattr(tuning.cpu_kernels, "source_digest", lambda: "another build")
+    again = engine(tiny_q4).runner.machine_profile
+    assert again is not None and again.source == "measured" and len(list(cache.glob("*.json"))) == 2
+
+
 def test_an_unwritable_cache_still_serves(tiny_q4, tmp_path, monkeypatch, caplog) -> None:
     monkeypatch.setattr(tuning, "STEADY_TOLERANCE", float("inf"))
     blocker = tmp_path / "file"

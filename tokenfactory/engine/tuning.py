@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenfactory.engine.placement import release_freed_memory
+from tokenfactory.layers import cpu_kernels
 from tokenfactory.layers.quant import QuantizedLinear
 from tokenfactory.types import ParameterError
 
@@ -183,7 +184,8 @@ def profile_key(model: nn.Module, device: torch.device) -> dict[str, Any]:
     linears = sorted({(m.out_features, m.in_features) for m in model.modules() if isinstance(m, nn.Linear)})
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")  # the dense path multiplies in it
     return {"cpu": cpu, "flags": flags, "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "device": device.type, "dtype": dtype, "groups": shapes, "dense_linears": linears}
+            "device": device.type, "dtype": dtype, "groups": shapes, "dense_linears": linears,
+            "kernels": cpu_kernels.source_digest()}
 
 
 def cache_root() -> Path:

@@ -89,10 +89,16 @@ def _cache_problem(root: Path, path: Path) -> str | None:
         return f"{root} is not usable ({e})"
 
 
+def source_digest() -> str:
+    """The kernels' sources and flags, hashed: what a build is of (the machine profile, which times these kernels,
+    keys on it too, so that a changed kernel is timed again)."""
+    texts = [path.read_text() for path in (*SOURCES, *HEADERS)]
+    return hashlib.sha256("\n".join([*texts, " ".join(CFLAGS)]).encode()).hexdigest()[:16]
+
+
 def _build_dir() -> Path:
     """The cache's directory for this build, or a fresh private one when the cache is not safe to load from."""
-    texts = [path.read_text() for path in (*SOURCES, *HEADERS)]
-    key = hashlib.sha256("\n".join([*texts, " ".join(CFLAGS), _cpu_model(), torch.__version__,
+    key = hashlib.sha256("\n".join([source_digest(), _cpu_model(), torch.__version__,
                                     platform.python_version()]).encode()).hexdigest()[:16]
     root = cache_root()
     problem = _cache_problem(root, root / key)
