@@ -385,7 +385,9 @@ struct SpanPlan {
       const int64_t s = sh / num_kv_heads, h = sh % num_kv_heads;
       const int64_t spans = (offsets[s + 1] - offsets[s]) / num_kv_heads;
       for (int64_t g = 0; g < group; ++g) {
-        auto part = [&](int64_t c) { return parts.data() + (offsets[s] + c * num_kv_heads + h) * part_size + g * (d + 2); };
+        auto part = [&](int64_t c) {
+          return parts.data() + (offsets[s] + c * num_kv_heads + h) * part_size + g * (d + 2);
+        };
         float m = part(0)[0];
         for (int64_t c = 1; c < spans; ++c) m = std::max(m, part(c)[0]);
         float l = 0.f;
@@ -1184,6 +1186,7 @@ at::Tensor DecodePlan::run_region(at::Tensor x, at::Tensor positions, at::Tensor
               "DecodePlan.run: x must be contiguous (T, h) bfloat16");
   const PlanLayer& first = layers_[0];
   const int64_t rows = x.size(0), h = x.size(1), nh = nh_, nkv = nkv_, d = first.k_cache.size(3);
+  TORCH_CHECK(h == first.input_norm.numel(), "DecodePlan.run: x must be (T, hidden size)");
   const int64_t num_blocks = first.k_cache.size(1), block_size = first.k_cache.size(2);
   auto pos = positions.contiguous(), sl = slots.contiguous(), tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous(), starts = query_start.contiguous();
