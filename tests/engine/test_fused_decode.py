@@ -85,14 +85,16 @@ def test_fused_decode_step_is_the_python_forward_bit_for_bit(tmp_path, arch, qua
         loaded = dataclasses.replace(loaded, config=dataclasses.replace(loaded.config, layer_windows=windows))
     engine = LLMEngine(EngineConfig(dtype="bfloat16", block_size=8, kv_cache_memory=8 << 20, max_model_len=256,
                                     quantization=quantization, machine_profile="off"), loaded)
-    # Every linear layer on the int8-activation kernel: one parallel region by default, op by op when refused.
-    modes = [None] if quantization == "none" else [None, False]
+    # Every linear layer on the int8-activation kernel: one parallel region (possible, so asked for), then op by
+    # op. A prompt past 128 tokens splits its attention into spans that the region merges.
+    modes = [None] if quantization == "none" else [True, False]
+    long_prompt = torch.randint(0, 49152, (150,), generator=torch.Generator().manual_seed(9)).tolist()
     threads = torch.get_num_threads()
     try:
         for one_region in modes:
             for n in sorted({1, min(2, threads)}):
                 torch.set_num_threads(n)
-                checked = run_checked(engine, prompts(5), one_region=one_region)
+                checked = run_checked(engine, prompts(5) + [long_prompt], one_region=one_region)
                 assert checked.steps >= 9 and max(checked.rows) > 1  # batched decode steps took the plan
                 assert engine.kv.num_free_blocks == engine.kv.num_blocks
     finally:
