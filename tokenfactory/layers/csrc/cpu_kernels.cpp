@@ -1114,13 +1114,16 @@ bool DecodePlan::region_possible() const {
         l.input_norm.scalar_type() != at::kBFloat16 || l.post_norm.scalar_type() != at::kBFloat16)
       return false;
     const int64_t h = l.input_norm.numel(), inner = l.down.w.size(1) * (l.down.kind == 1 ? 2 : 1);
-    if (l.post_norm.numel() != h || l.qkv.w.size(0) != (nh_ + 2 * nkv_) * cache.size(3) || l.o.w.size(0) != h ||
-        l.gate_up.w.size(0) != 2 * inner || l.down.w.size(0) != h)
+    const int64_t heads = nh_ * cache.size(3);
+    auto in = [](const PlanLinear& p) { return p.w.size(1) * (p.kind == 1 ? 2 : 1); };
+    if (l.post_norm.numel() != h || l.qkv.w.size(0) != heads + 2 * nkv_ * cache.size(3) || in(l.qkv) != h ||
+        l.o.w.size(0) != h || in(l.o) != heads || l.gate_up.w.size(0) != 2 * inner || in(l.gate_up) != h ||
+        l.down.w.size(0) != h)
       return false;
     for (const PlanLinear* p : {&l.qkv, &l.o, &l.gate_up, &l.down}) {
-      const int64_t k = p->w.size(1) * (p->kind == 1 ? 2 : 1);
+      const int64_t k = in(*p), blocks = p->w.size(0) * (k / QBLOCK);
       if (p->kind == 0 || k % (2 * QBLOCK) != 0 || !p->w.is_contiguous() || !p->scales.is_contiguous() ||
-          (p->kind == 1 && !p->mins.is_contiguous()) ||
+          p->scales.numel() != blocks || (p->kind == 1 && (!p->mins.is_contiguous() || p->mins.numel() != blocks)) ||
           (p->bias.numel() && (p->bias.scalar_type() != at::kBFloat16 || !p->bias.is_contiguous() ||
                                p->bias.numel() != p->w.size(0))))
         return false;
