@@ -13,8 +13,8 @@ chosen on one CPU were wrong on the other, so the engine measures them at its fi
                  on one thread and on all, while a second Python thread does what a streaming gateway does
                  (a little work every millisecond); steps that are 10% faster on one thread take one
 
-`load_or_measure` keys the profile by the CPU's name and flags, torch's version, the thread count and the
-model's layer shapes, and caches it as JSON (`~/.cache/tokenfactory/profiles`, or
+`load_or_measure` keys the profile by the CPU's name and flags, torch's version, the thread count, the
+model's layer shapes and the compiled kernels' sources, and caches it as JSON (`~/.cache/tokenfactory/profiles`, or
 `$TOKENFACTORY_PROFILE_CACHE`), so only the first start pays (about 5 s for the bundled model on 2 cores).
 `tokenfactory doctor --machine` prints it; `serve --machine-profile remeasure` and `doctor --machine
 --remeasure` measure again; `off` keeps the constants (layers/quant.py KERNELS, one thread policy for all).
