@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -89,6 +90,7 @@ def _cache_problem(root: Path, path: Path) -> str | None:
         return f"{root} is not usable ({e})"
 
 
+@functools.cache
 def source_digest() -> str:
     """The kernels' sources and flags, hashed: what a build is of (the machine profile, which times these kernels,
     keys on it too, so that a changed kernel is timed again)."""

@@ -676,14 +676,18 @@ at::Tensor int4pack_dequantize_t(at::Tensor packed, at::Tensor scales_and_zeros,
 // would be, so a fused layer computes what the unfused one did.
 
 // x += delta (rounded to x's dtype), then RMSNorm of the sum into out: the residual add and the next norm.
+// One row of the residual stream: x += delta, rounded to x's dtype.
+template <typename T>
+inline void add_row(T* x, const T* delta, int64_t h) {
+  for (int64_t i = 0; i < h; ++i) x[i] = static_cast<T>(to_float(x[i]) + to_float(delta[i]));
+}
+
 template <typename T>
 void add_rms_norm_rows(T* x, const T* delta, const T* w, T* out, int64_t rows, int64_t h, float eps) {
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      T* xr = x + r * h;
-      const T* dr = delta + r * h;
-      for (int64_t i = 0; i < h; ++i) xr[i] = static_cast<T>(to_float(xr[i]) + to_float(dr[i]));
-      rms_norm_row(xr, w, out + r * h, h, eps);
+      add_row(x + r * h, delta + r * h, h);
+      rms_norm_row(x + r * h, w, out + r * h, h, eps);
     }
   });
 }
@@ -1240,6 +1244,14 @@ at::Tensor DecodePlan::run_region(at::Tensor x, at::Tensor positions, at::Tensor
     const int64_t tid = omp_get_thread_num(), team = omp_get_num_threads();
     int64_t r0, r1;
     share(rows, tid, team, r0, r1);
+    // This thread's rows: the residual add (`add`), the norm into `hidden`, quantized for the next linear layer.
+    auto add_norm_quantize = [&](bool add, const at::Tensor& norm, bool q4) {
+      for (int64_t r = r0; r < r1; ++r) {
+        if (add) add_row(xp + r * h, delta + r * h, h);
+        rms_norm_row(xp + r * h, norm.data_ptr<bf16>(), hidden + r * h, h, eps);
+        in.row(hidden + r * h, r, h, q4);
+      }
+    };
     for (size_t i = 0; i < layers_.size(); ++i) {
       const PlanLayer& l = layers_[i];
       const RegionLinear &qkv = lin[i][0], &o = lin[i][1], &gate_up = lin[i][2], &down = lin[i][3];
@@ -1247,13 +1259,7 @@ at::Tensor DecodePlan::run_region(at::Tensor x, at::Tensor positions, at::Tensor
       for (auto& p : plans)
         if (p.first == l.window) plan = &p.second;
       // The residual add (after the first layer) and the input norm of this thread's rows, quantized for qkv.
-      for (int64_t r = r0; r < r1; ++r) {
-        bf16 *xr = xp + r * h, *hr = hidden + r * h;
-        if (i > 0)
-          for (int64_t c = 0; c < h; ++c) xr[c] = static_cast<bf16>(to_float(xr[c]) + to_float(delta[r * h + c]));
-        rms_norm_row(xr, l.input_norm.data_ptr<bf16>(), hr, h, eps);
-        in.row(hr, r, h, qkv.w.q4);
-      }
+      add_norm_quantize(i > 0, l.input_norm, qkv.w.q4);
 #pragma omp barrier
       region_matmul(qkv, rows, in, acc, wide, tid, team);
 #pragma omp barrier
@@ -1284,12 +1290,7 @@ at::Tensor DecodePlan::run_region(at::Tensor x, at::Tensor positions, at::Tensor
 #pragma omp barrier
       region_matmul(o, rows, in, acc, delta, tid, team);
 #pragma omp barrier
-      for (int64_t r = r0; r < r1; ++r) {
-        bf16 *xr = xp + r * h, *hr = hidden + r * h;
-        for (int64_t c = 0; c < h; ++c) xr[c] = static_cast<bf16>(to_float(xr[c]) + to_float(delta[r * h + c]));
-        rms_norm_row(xr, l.post_norm.data_ptr<bf16>(), hr, h, eps);
-        in.row(hr, r, h, gate_up.w.q4);
-      }
+      add_norm_quantize(true, l.post_norm, gate_up.w.q4);
 #pragma omp barrier
       region_matmul(gate_up, rows, in, acc, wide, tid, team);
 #pragma omp barrier
@@ -1315,9 +1316,7 @@ at::Tensor DecodePlan::run_region(at::Tensor x, at::Tensor positions, at::Tensor
       region_matmul(down, rows, in, acc, delta, tid, team);
 #pragma omp barrier
     }
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t c = 0; c < h; ++c)
-        xp[r * h + c] = static_cast<bf16>(to_float(xp[r * h + c]) + to_float(delta[r * h + c]));
+    for (int64_t r = r0; r < r1; ++r) add_row(xp + r * h, delta + r * h, h);
   }
   return x;
 #else
