@@ -122,3 +122,20 @@ def test_bundled_model_decodes_through_the_plan_as_served(bundled) -> None:
     checked = run_checked(engine, prompts(1, seed=4), max_tokens=16, one_region=one_region)
     checked = run_checked(engine, prompts(6, seed=5), max_tokens=8)
     assert checked.steps >= 7 and max(checked.rows) == 6
+
+
+def test_bundled_model_plan_past_the_constant_crossovers(bundled) -> None:
+    """A machine profile may keep layers packed up to 16 rows (stack-order timings on a Xeon): the plan then takes
+    steps of 9-16 rows, in one region, still bit for bit the forward's."""
+    if not q8act_available():
+        pytest.skip("the int8-activation kernels need AVX-512 VNNI")
+    engine = LLMEngine(EngineConfig(kv_cache_memory=64 << 20, max_model_len=512, max_num_seqs=16,
+                                    machine_profile="off"), bundled)
+    runner = engine.runner
+    for m in runner.model.modules():
+        if hasattr(m, "max_packed_rows"):
+            m.max_packed_rows = 16
+    runner.decode_step = runner.model.decode_plan(runner.kv_caches)
+    assert runner.decode_step is not None and runner.decode_step.max_rows == 16
+    checked = run_checked(engine, prompts(14, seed=6), max_tokens=6, one_region=True)
+    assert max(checked.rows) == 14

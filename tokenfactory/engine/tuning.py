@@ -6,8 +6,9 @@ Zen 4 and up to 4 on a Sapphire Rapids), and whether steps of a few tokens run f
 chosen on one CPU were wrong on the other, so the engine measures them at its first start:
 
     crossovers   per group of quantized layers sharing (format, kernel, shape, dense path): the packed and
-                 the dense path timed at 1, 2, 4, ... 64 rows over up to 30 distinct layers of the group (so
-                 the weights stream from memory as in a real step); the layer takes the packed kernel up to
+                 the dense path timed at 1, 2, 4, ... 64 rows, each layer (up to 30 a group) where a step
+                 runs it, in the model's whole stack of quantized layers on one path (so its weights come
+                 back from wherever the rest of a step left them); the layer takes the packed kernel up to
                  the largest row count before the dense path first wins
     threads      the model's whole stack of linear layers (each on the path just chosen) at 1, 2, 4, 8 rows,
                  on one thread and on all, while a second Python thread does what a streaming gateway does
@@ -15,7 +16,7 @@ chosen on one CPU were wrong on the other, so the engine measures them at its fi
 
 `load_or_measure` keys the profile by the CPU's name and flags, torch's version, the thread count, the
 model's layer shapes and the compiled kernels' sources, and caches it as JSON (`~/.cache/tokenfactory/profiles`, or
-`$TOKENFACTORY_PROFILE_CACHE`), so only the first start pays (about 5 s for the bundled model on 2 cores).
+`$TOKENFACTORY_PROFILE_CACHE`), so only the first start pays (about 8 s for the bundled model on 2 cores).
 `tokenfactory doctor --machine` prints it; `serve --machine-profile remeasure` and `doctor --machine
 --remeasure` measure again; `off` keeps the constants (layers/quant.py KERNELS, one thread policy for all).
 Measure on a quiet machine: the profile is what the engine then believes.
@@ -49,8 +50,9 @@ from tokenfactory.types import ParameterError
 
 logger = logging.getLogger(__name__)
 
-PROFILE_VERSION = 4  # 2: dense paths named by their class (on-the-fly from the packed codes is its own group);
-# 3: crossovers timed against `dense_linear`; 4: the prepacked dense copy (oneDNN's layout) is its own group
+PROFILE_VERSION = 5  # 2: dense paths named by their class (on-the-fly from the packed codes is its own group);
+# 3: crossovers timed against `dense_linear`; 4: the prepacked dense copy (oneDNN's layout) is its own group;
+# 5: crossovers timed in the model's stack order (`measure_crossovers`)
 MODES = ("auto", "remeasure", "off")
 DENSE_NAMES = {"PrepackedCopy": "prepacked", "DenseCopy": "copy", "DequantizeOnTheFly": "on-the-fly",
                "DequantizeFromPacked": "from-packed"}
@@ -273,14 +275,13 @@ def apply(model: nn.Module, profile: MachineProfile) -> None:
 def measure(model: nn.Module, key: dict[str, Any]) -> MachineProfile:
     start = time.perf_counter()
     with torch.inference_mode():
-        measured = [measure_crossover(name, mods) for name, mods in layer_groups(model).items()]
-        crossovers = [c for c, _ in measured]
+        crossovers, crossovers_stable = measure_crossovers(model)
         apply(model, MachineProfile(key, "", 0.0, crossovers, None))
         threads, threads_stable = measure_threads(model) if torch.get_num_threads() > 1 else (None, True)
     release_freed_memory()  # the timing runs' outputs and dequantized weights: not the server's steady memory
     elapsed = time.perf_counter() - start
     stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    stable = threads_stable and all(ok for _, ok in measured)
+    stable = threads_stable and crossovers_stable
     logger.info("machine profile measured in %.1f s%s", elapsed, "" if stable else " (timings unsteady)")
     return MachineProfile(key, stamp, round(elapsed, 2), crossovers, threads, stable=stable)
 
@@ -307,37 +308,68 @@ def steady_minimum(measure_pass: Callable[[], list[float]]) -> tuple[list[float]
     return best, False
 
 
-def measure_crossover(name: str, mods: list[QuantizedLinear], repeats: int = 5) -> tuple[Crossover, bool]:
-    """Packed against dense for one group, at rows up to two past the first where the dense path wins; each
-    pass times both paths at every row count, passes repeat until steady (whether it was, second)."""
-    layers = mods[:MAX_LAYERS_PER_GROUP]
-    dtype = layers[0]._dense_fn().dtype  # the model's dtype: what the dense path multiplies in
-
-    def calls(t: int) -> tuple[Callable[[], object], Callable[[], object]]:
-        xs = [torch.randn(t, m.in_features, dtype=torch.bfloat16) for m in layers]
-        packed = [(m._packed_fn, x) for m, x in zip(layers, xs, strict=True)]
-        dense = [(m, x.to(dtype)) for m, x in zip(layers, xs, strict=True)]
-        return (lambda: [fn(x) for fn, x in packed]), (lambda: [m.dense_linear(x) for m, x in dense])  # type: ignore[misc]
-
-    pairs = [calls(t) for t in ROWS]
-    for packed, dense in pairs[:2]:  # warm: first-call allocations, the kernels' own set-up
-        packed()
-        dense()
+def measure_crossovers(model: nn.Module, repeats: int = 3) -> tuple[list[Crossover], bool]:
+    """Packed against dense for every group at once, each layer timed where a step runs it: the model's whole stack
+    of quantized layers in its order, all on one path, so that a layer's weights come back from wherever the rest of
+    a step left them. Timed alone, a group's dense copy stayed in a large L3 between repeats and looked twice as fast
+    as in a step (a Xeon with 480 MiB of L3: crossovers of 8 rows where whole steps are faster packed up to 16).
+    Rows up to two past the first where the dense path wins in any group; passes repeat until steady (whether they
+    were, second)."""
+    groups = layer_groups(model)
+    timed = {id(m): name for name, mods in groups.items() for m in mods[:MAX_LAYERS_PER_GROUP]}
+    order = [(timed[id(m)], m) for m in model.modules() if id(m) in timed]
+    counts = {name: sum(1 for n, _ in order if n == name) for name in groups}
+    stacks = [_timed_stack(order, t) for t in ROWS]
+    for stack in stacks[:2]:  # warm: first-call allocations, the kernels' own set-up
+        stack(True)
+        stack(False)
 
     def one_pass(upto: int) -> list[float]:
+        """Per group and row count: packed then dense us per layer, best of the repeats."""
         times = []
-        for packed, dense in pairs[:upto]:
-            times += [_best_us(packed, repeats) / len(layers), _best_us(dense, repeats) / len(layers)]
+        for stack in stacks[:upto]:
+            best = {path: {name: float("inf") for name in groups} for path in (True, False)}
+            for _ in range(repeats):
+                for path in (True, False):
+                    for name, seconds in stack(path).items():
+                        best[path][name] = min(best[path][name], seconds)
+            times += [best[path][name] * 1e6 / counts[name] for name in groups for path in (True, False)]
         return times
 
+    def split(times: list[float], k: int, path: int) -> list[float]:
+        """Group k's per-layer times on one path (0: packed, 1: dense) at each timed row count."""
+        return times[2 * k + path::2 * len(groups)]
+
     first = one_pass(len(ROWS))
-    upto = _rows_needed(first[0::2], first[1::2])
+    upto = max(_rows_needed(split(first, k, 0), split(first, k, 1)) for k in range(len(groups)))
     times, steady = steady_minimum(lambda: one_pass(upto))
     times = [min(a, b) for a, b in zip(times, first, strict=False)]
-    packed_us, dense_us = [round(t, 1) for t in times[0::2]], [round(t, 1) for t in times[1::2]]
     rows = list(ROWS[:upto])
-    return Crossover(name, len(mods), mods[0].max_packed_rows, choose_crossover(rows, packed_us, dense_us), rows,
-                     packed_us, dense_us), steady
+    crossovers = []
+    for k, (name, mods) in enumerate(groups.items()):
+        packed_us, dense_us = [round(t, 1) for t in split(times, k, 0)], [round(t, 1) for t in split(times, k, 1)]
+        crossovers.append(Crossover(name, len(mods), mods[0].max_packed_rows,
+                                    choose_crossover(rows, packed_us, dense_us), rows, packed_us, dense_us))
+    return crossovers, steady
+
+
+def _timed_stack(order: list[tuple[str, QuantizedLinear]], t: int) -> Callable[[bool], dict[str, float]]:
+    """The layers in `order` at t rows, all packed (True) or all dense: seconds spent in each group."""
+    xs = [torch.randn(t, m.in_features, dtype=torch.bfloat16) for _, m in order]
+    dtype = order[0][1]._dense_fn().dtype if order else torch.bfloat16  # what the dense path multiplies in
+    dense_xs = [x.to(dtype) for x in xs]
+
+    def run(packed: bool) -> dict[str, float]:
+        spent: dict[str, float] = dict.fromkeys((name for name, _ in order), 0.0)
+        for (name, m), x, dx in zip(order, xs, dense_xs, strict=True):
+            start = time.perf_counter()
+            if packed:
+                m._packed_fn(x)  # type: ignore[misc]
+            else:
+                m.dense_linear(dx)
+            spent[name] += time.perf_counter() - start
+        return spent
+    return run
 
 
 def _rows_needed(packed: list[float], dense: list[float]) -> int:
