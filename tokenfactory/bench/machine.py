@@ -64,8 +64,11 @@ def print_machine_profile(model: str | None, quantization: str = "auto", dtype: 
         quantization, dtype = "none", as_dtype[quantization]
     if threads is not None:
         torch.set_num_threads(threads)
-    engine = LLMEngine(EngineConfig(model=model, quantization=quantization, dtype=dtype, kv_cache_memory=16 << 20,
-                                    max_model_len=256, machine_profile="remeasure" if remeasure else "auto"))
+    # serve's engine: its dense path ("auto" starts as the prepacked copy) and a pool for the plan's timed steps
+    engine = LLMEngine(EngineConfig(model=model, quantization=quantization, dtype=dtype, kv_cache_memory=64 << 20,
+                                    max_model_len=256, quantization_dense="prepacked",
+                                    machine_profile="remeasure" if remeasure else "auto"))
+    engine.warmup()  # where the profile has no row limit for the compiled plan yet, it is timed now
     profile = engine.machine_profile
     if profile is None:
         print(f"no machine profile: the engine runs on {engine.device}, which keeps its built-in constants")

@@ -30,7 +30,7 @@ from tokenfactory.layers.kv_quant import SCALE_DTYPE, KVFormat
 from tokenfactory.layers.quant import QuantizedLinear, QuantOptions, QuantSummary, step_rows
 from tokenfactory.layers.quant_formats import RawGGUFTensors
 from tokenfactory.layers.rotary import Rotary
-from tokenfactory.models.llama import LlamaForCausalLM
+from tokenfactory.models.llama import DecodePlan, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -130,8 +130,10 @@ class ModelRunner:
         self.machine_profile = tuning.load_or_measure(self.model, device, machine_profile)
         if self.machine_profile is not None:
             tuning.apply(self.model, self.machine_profile)
-            self.quant_summary = QuantSummary(self.quant_summary.scheme, {  # the layers' crossovers as they now are
-                path: self.model.get_submodule(path).describe() for path in self.quant_summary.path_to_format})
+            self._describe_layers()
+        # The decoder layers' crossovers as measured: `set_plan_rows` raises them for the plan, never below these.
+        self._crossovers = {m: m.max_packed_rows for layer in self.model.layers for m in layer.modules()
+                            if isinstance(m, QuantizedLinear) and m.packed is not None}
         if single_thread_step_tokens is None:
             policy = self.machine_profile.threads if self.machine_profile else None
             single_thread_step_tokens = policy.single_thread_step_tokens if policy else 0
@@ -156,8 +158,33 @@ class ModelRunner:
         self.kv_caches = allocate_kv_pool(shape, self.cfg.num_layers, self.kv_format, self.device)
         if self.decode_step_kind == "plan":  # the layers in one C++ call, where the model's layers allow it
             self.decode_step = self.model.decode_plan(self.kv_caches)
+            if self.machine_profile is not None and self.machine_profile.plan_rows is not None:
+                self.set_plan_rows(self.machine_profile.plan_rows)  # as the engine's warm-up timed it
         elif spec is not None:
             self.decode_step = self._compiled_step(spec, num_blocks, max_model_len)
+
+    def _describe_layers(self) -> None:
+        """The quantization summary with the layers' crossovers as they now are."""
+        self.quant_summary = QuantSummary(self.quant_summary.scheme, {
+            path: self.model.get_submodule(path).describe() for path in self.quant_summary.path_to_format})
+
+    def plan_rows(self) -> int:
+        """The most rows a decode step may have to run through the CPU's compiled plan (0: there is none)."""
+        step = self.decode_step
+        return step.max_rows if self.decode_step_kind == "plan" and isinstance(step, DecodePlan) else 0
+
+    def set_plan_rows(self, rows: int) -> int:
+        """Keep every decoder layer packed up to `rows` (or its measured crossover, where that is more) and build the
+        plan again, so decode steps of up to `rows` rows take it: the forward, whose layers follow the same
+        crossovers, computes the same bits. The LM head keeps its own crossover (the plan does not run it).
+        Returns the plan's row limit now (0: no plan)."""
+        if self.decode_step_kind != "plan" or not self.kv_caches or self.plan_rows() == 0:
+            return 0
+        for m, measured in self._crossovers.items():
+            m.max_packed_rows = max(measured, rows)
+        self.decode_step = self.model.decode_plan(self.kv_caches)
+        self._describe_layers()
+        return self.plan_rows()
 
     def _compiled_step(self, spec: compiled_decode.CompileSpec, scratch_block: int,
                        max_model_len: int) -> compiled_decode.CompiledDecode | None:

@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -105,6 +105,9 @@ class MachineProfile:
     source: str = "measured"  # "measured" now, or "cached" (read from `path`)
     path: str | None = None
     stable: bool = True  # False: the timings never settled (a busy machine); reused only UNSTEADY_KEEP_S
+    plan_rows: int | None = None  # decode steps of up to this many rows through the compiled plan, its layers
+    # packed (timed as whole engine steps at the engine's warm-up, `with_plan_rows`); None: not timed yet
+    plan_steps_ms: list[list[float]] = field(default_factory=list)  # [rows, plan ms, forward ms] a decode step
 
     def to_json(self) -> dict[str, Any]:
         return {"version": PROFILE_VERSION, **asdict(self)}
@@ -117,8 +120,12 @@ class MachineProfile:
         if any(not 0 <= c.max_packed_rows <= max(ROWS) for c in crossovers):
             raise ValueError("a crossover is out of range")
         threads = ThreadPolicy(**data["threads"]) if data.get("threads") else None
+        plan_rows = data.get("plan_rows")
+        if plan_rows is not None and not 0 <= int(plan_rows) <= max(ROWS):
+            raise ValueError("the plan's row limit is out of range")
         return cls(data["key"], data["measured_at"], float(data["measure_s"]), crossovers, threads, "cached",
-                   str(path), bool(data.get("stable", True)))
+                   str(path), bool(data.get("stable", True)), None if plan_rows is None else int(plan_rows),
+                   [[float(x) for x in row] for row in data.get("plan_steps_ms", [])])
 
     def summary(self) -> dict[str, Any]:
         """The choices, without the timings (for /machine-profile, the benchmark JSON, the engine's info)."""
@@ -126,7 +133,8 @@ class MachineProfile:
                 "cpu": self.key.get("cpu"), "flags": self.key.get("flags"), "torch": self.key.get("torch"),
                 "threads": self.key.get("threads"),
                 "max_packed_rows": {c.group: c.max_packed_rows for c in self.crossovers},
-                "single_thread_step_tokens": self.threads.single_thread_step_tokens if self.threads else None}
+                "single_thread_step_tokens": self.threads.single_thread_step_tokens if self.threads else None,
+                "plan_rows": self.plan_rows}
 
     def describe(self) -> list[str]:
         """Lines for `tokenfactory doctor --machine`."""
@@ -147,6 +155,10 @@ class MachineProfile:
                                                                        strict=True))
             lines.append(f"  threads  steps of <= {t.single_thread_step_tokens} tokens on one thread "
                          f"(0: all {t.max_threads} always); linear stack ms 1/{t.max_threads} threads at rows {pairs}")
+        if self.plan_rows is not None:
+            pairs = "  ".join(f"{r:.0f}:{p:.2f}/{f:.2f}" for r, p, f in self.plan_steps_ms)
+            lines.append(f"  plan     decode steps of <= {self.plan_rows} rows through the compiled plan, its layers "
+                         "packed" + (f"; step ms plan/forward at rows {pairs}" if pairs else ""))
         return lines
 
 
@@ -257,6 +269,15 @@ def _save(profile: MachineProfile, path: Path) -> bool:
     except OSError as e:
         logger.warning("machine profile not cached (%s): the next start measures again", e)
         return False
+
+
+def with_plan_rows(profile: MachineProfile, rows: int, steps_ms: list[list[float]]) -> MachineProfile:
+    """The profile with the plan's row limit the engine timed (`LLMEngine.warmup`), cached beside the rest."""
+    timed = replace(profile, plan_rows=rows, plan_steps_ms=steps_ms)
+    if profile.path is not None:
+        with _measuring_lock(Path(profile.path)):
+            _save(replace(timed, source="measured", path=None), Path(profile.path))
+    return timed
 
 
 def apply(model: nn.Module, profile: MachineProfile) -> None:
