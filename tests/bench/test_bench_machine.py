@@ -33,7 +33,7 @@ def machine_result(cpu: str = "Test CPU 9000", time: str = "2026-12-01T15:00:00+
               "llama-server": {"command": "llama-server -m x.gguf", "levels": [level(1, 50.0, 15.0),
                                                                                  level(8, 86.0, 60.0)]}}
     profile = {"crossovers": [{"group": "int4-g32 via cpu-int4pack, 576x1536, copy", "max_packed_rows": 4}],
-               "threads": {"single_thread_step_tokens": 0}, "plan_rows": 16}
+               "threads": {"single_thread_step_tokens": 0}, "packed_step_rows": 16}
     return {"schema": SCHEMA, "time": time, "machine": {"cpu": cpu, "flags": ["avx512f", "amx_bf16"], "num_cpus": 2,
                                                          "torch": "2.13.0+cpu", "python": "3.11.7",
                                                          "tokenfactory_version": "0.1.0"},
@@ -121,7 +121,7 @@ def test_publish_keeps_the_json_and_writes_the_blocks(repo, tmp_path) -> None:
     assert "| 1 | 3 | tokenfactory | **110.0** | 50 / 60 ms | 9.0 ms | 0.050 (modelled) | 2.50 GiB |" in docs
     assert "| 8 | 24 | llama-server | 86.0 |" in docs
     assert "lead over llama-server: 1 clients 2.2x, 8 clients 3.37x (met: >= 1.2x / 1.5x)" in docs
-    assert "576x1536 <= 4; steps of <= 0 tokens on one thread; decode steps of <= 16 rows through the compiled plan" \
+    assert "576x1536 <= 4; steps of <= 0 tokens on one thread; decode steps of <= 16 rows all packed" \
         in docs
     assert "576x1536 <= 4" in docs and "not run: vllm is not on PATH" in docs
     assert run_publish(repo, check=True) == 0

@@ -124,18 +124,19 @@ def test_bundled_model_decodes_through_the_plan_as_served(bundled) -> None:
     assert checked.steps >= 7 and max(checked.rows) == 6
 
 
-def test_bundled_model_plan_past_the_constant_crossovers(bundled) -> None:
-    """A machine profile may keep layers packed up to 16 rows (stack-order timings on a Xeon): the plan then takes
-    steps of 9-16 rows, in one region, still bit for bit the forward's."""
+@pytest.mark.parametrize(("dense", "packed_rows"), [("copy", 16), ("prepacked", 16), ("copy", 4), ("prepacked", 4)])
+def test_bundled_model_plan_at_and_past_the_packed_rows(bundled, dense, packed_rows) -> None:
+    """Steps of up to 14 rows through the plan, its layers packed up to `packed_rows` (16: every step packed, in one
+    region; 4: the larger steps on the layers' dense path inside the plan, oneDNN's prepacked weight or the plain
+    copy, op by op), bit for bit the forward's."""
     if not q8act_available():
         pytest.skip("the int8-activation kernels need AVX-512 VNNI")
     engine = LLMEngine(EngineConfig(kv_cache_memory=64 << 20, max_model_len=512, max_num_seqs=16,
-                                    machine_profile="off"), bundled)
+                                    quantization_dense=dense, machine_profile="off"), bundled)
     runner = engine.runner
-    for m in runner.model.modules():
-        if hasattr(m, "max_packed_rows"):
-            m.max_packed_rows = 16
-    runner.decode_step = runner.model.decode_plan(runner.kv_caches)
-    assert runner.decode_step is not None and runner.decode_step.max_rows == 16
+    for m in runner._crossovers:
+        runner._crossovers[m] = packed_rows
+    assert runner.set_packed_rows(0) == packed_rows
+    assert runner.decode_step.max_rows > 16  # every layer keeps a dense path: the plan takes any step
     checked = run_checked(engine, prompts(14, seed=6), max_tokens=6, one_region=True)
-    assert max(checked.rows) == 14
+    assert max(checked.rows) == 14  # past 4 packed rows: the dense path; up to 16: packed

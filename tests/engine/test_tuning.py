@@ -242,16 +242,16 @@ def test_unsteady_timings_are_shared_a_while_then_measured_again(tiny_q4, cache,
 
 
 def narrowed(e: LLMEngine, rows: int) -> int:
-    """The engine's plan limited to `rows` (every decoder layer's measured crossover taken as `rows`)."""
+    """Every decoder layer's measured crossover taken as `rows` (the plan built again over them)."""
     runner = e.runner
     for m in runner._crossovers:
         runner._crossovers[m] = rows
-    return runner.set_plan_rows(0)
+    return runner.set_packed_rows(0)
 
 
-def test_the_plans_row_limit_is_timed_at_warm_up_and_cached(tiny_planned, cache, monkeypatch) -> None:
+def test_the_packed_step_limit_is_timed_at_warm_up_and_cached(tiny_planned, cache, monkeypatch) -> None:
     first = engine(tiny_planned, max_num_seqs=64, **PLANNED)
-    if first.runner.plan_rows() == 0:
+    if first.runner.packed_rows() == 0:
         pytest.skip("no compiled plan here: the int8-activation kernels need AVX-512 VNNI")
     assert narrowed(first, 4) == 4
     head = [m.max_packed_rows for m in quantized(first) if m not in first.runner._crossovers]
@@ -260,40 +260,40 @@ def test_the_plans_row_limit_is_timed_at_warm_up_and_cached(tiny_planned, cache,
     def timed(self, rows: int, base: int, steps: int = 5) -> tuple[float, float]:
         calls.append(rows)
         assert base == 4
-        return (1.0, 2.0) if rows <= 16 else (3.0, 2.0)  # the plan wins up to 16 rows
+        return (1.0, 2.0) if rows <= 16 else (3.0, 2.0)  # all packed wins up to 16 rows
 
-    monkeypatch.setattr(LLMEngine, "_plan_against_forward", timed)
+    monkeypatch.setattr(LLMEngine, "_packed_against_crossovers", timed)
     first.warmup()
     assert calls == [6, 8, 12, 16, 24]  # up to the first row count where the forward won
-    assert first.runner.plan_rows() == 16
+    assert first.runner.packed_rows() == 16
     assert {m.max_packed_rows for m in first.runner._crossovers} == {16}
     assert [m.max_packed_rows for m in quantized(first) if m not in first.runner._crossovers] == head  # LM head
     profile = first.machine_profile
-    assert profile.plan_rows == 16 and profile.plan_steps_ms[-1] == [24, 3.0, 2.0]
-    assert first.info.machine_profile["plan_rows"] == 16
-    assert any(line.startswith("  plan     decode steps of <= 16 rows") for line in profile.describe())
+    assert profile.packed_step_rows == 16 and profile.packed_steps_ms[-1] == [24, 3.0, 2.0]
+    assert first.info.machine_profile["packed_step_rows"] == 16
+    assert any(line.startswith("  steps    decode steps of <= 16 rows") for line in profile.describe())
     (path,) = cache.glob("*.json")
-    assert json.loads(path.read_text())["plan_rows"] == 16
+    assert json.loads(path.read_text())["packed_step_rows"] == 16
 
     def never(self, rows: int, base: int, steps: int = 5) -> tuple[float, float]:
-        raise AssertionError("a cached row limit is not timed again")
+        raise AssertionError("a cached limit is not timed again")
 
-    monkeypatch.setattr(LLMEngine, "_plan_against_forward", never)
+    monkeypatch.setattr(LLMEngine, "_packed_against_crossovers", never)
     second = engine(tiny_planned, max_num_seqs=64, **PLANNED)
-    assert second.machine_profile.plan_rows == 16 and second.runner.plan_rows() >= 16  # applied at start-up
+    assert second.machine_profile.packed_step_rows == 16 and second.runner.packed_rows() >= 16  # applied at start-up
     second.warmup()
-    assert second.runner.plan_rows() >= 16
+    assert second.runner.packed_rows() >= 16
 
 
-def test_plan_against_forward_times_real_steps_and_leaves_nothing_behind(tiny_planned, cache) -> None:
+def test_packed_against_crossovers_times_real_steps_and_leaves_nothing_behind(tiny_planned, cache) -> None:
     e = engine(tiny_planned, max_num_seqs=16, **PLANNED)
-    if e.runner.plan_rows() == 0:
+    if e.runner.packed_rows() == 0:
         pytest.skip("no compiled plan here: the int8-activation kernels need AVX-512 VNNI")
     assert narrowed(e, 4) == 4
     steps = e.num_steps
-    plan_ms, forward_ms = e._plan_against_forward(8, 4)
-    assert plan_ms > 0 and forward_ms > 0
+    packed_ms, crossover_ms = e._packed_against_crossovers(8, 4)
+    assert packed_ms > 0 and crossover_ms > 0
     assert not e.has_unfinished_requests and e.kv.num_free_blocks == e.kv.num_blocks
-    assert e.num_steps == steps and e.runner.plan_rows() == 4
+    assert e.num_steps == steps and e.runner.packed_rows() == 4
     rid = e.add_request([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))  # and it still serves
     assert len(e.run_to_completion([rid])[rid].outputs[0].token_ids) == 3

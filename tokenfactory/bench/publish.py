@@ -176,10 +176,10 @@ def machine_section(m: dict[str, Any]) -> str:
         rows = ", ".join(f"{c['group'].split(' via ')[0]} {c['group'].split(', ')[1]} <= {c['max_packed_rows']}"
                          for c in profile["crossovers"])
         threads = profile.get("threads") or {}
-        plan = profile.get("plan_rows")
+        packed = profile.get("packed_step_rows")
         out.append(f"- machine profile (packed kernel up to N rows, then dense): {rows}; steps of <= "
                    f"{threads.get('single_thread_step_tokens', 0)} tokens on one thread"
-                   + (f"; decode steps of <= {plan} rows through the compiled plan" if plan is not None else ""))
+                   + (f"; decode steps of <= {packed} rows all packed" if packed is not None else ""))
     return "\n".join(out)
 
 

@@ -57,8 +57,8 @@ from tokenfactory.types import (
 
 logger = logging.getLogger(__name__)
 
-PLAN_TIMING_STEPS = 5  # decode steps each way at each row count (`_plan_against_forward`)
-PLAN_TIMING_TOKENS = 8 + 2 * PLAN_TIMING_STEPS + 6  # a timed sequence's prompt and outputs, at most
+STEP_TIMING_STEPS = 5  # decode steps each way at each row count (`_packed_against_crossovers`)
+STEP_TIMING_TOKENS = 8 + 2 * STEP_TIMING_STEPS + 6  # a timed sequence's prompt and outputs, at most
 
 Prompt = str | list[int] | dict[str, list[int]]
 PROMPT_ONLY = SamplingParams(max_tokens=0)  # how an embedding request's sequence runs: a prefill, nothing sampled
@@ -658,45 +658,46 @@ class LLMEngine:
 
     @torch.inference_mode()
     def warmup(self) -> None:
-        """One short request through the whole path, so the first user does not pay for lazy set-up; then the
-        compiled plan's row limit, where the machine profile has none yet (`_time_plan_rows`)."""
+        """One short request through the whole path, so the first user does not pay for lazy set-up; then, where the
+        machine profile has none yet, how far decode steps keep every layer packed (`_time_packed_step_rows`)."""
         rid = self.add_request([self.tokenizer.bos_token_id or 0] * 4, SamplingParams(max_tokens=2, ignore_eos=True))
         self._muted = True
         try:
             self.run_to_completion([rid])
-            self._time_plan_rows()
+            self._time_packed_step_rows()
         finally:
             self._muted = False
 
-    def _time_plan_rows(self) -> None:
-        """How many rows a decode step may have and still run faster through the compiled plan with its layers packed
-        than through the forward with them at their crossovers: the layer-by-layer crossovers leave out the ~150
-        small ops a layer that the plan saves (on a Xeon, 12 rows: 19 ms planned against 24 ms forward, where the
-        crossovers said dense from 9). Whole decode steps at each of tuning.ROWS above the plan's limit (while the
-        plan wins, up to max_num_seqs), both ways interleaved; kept in the machine profile, so timed once."""
+    def _time_packed_step_rows(self) -> None:
+        """How many rows a decode step may have and still run faster with every decoder layer packed than with each
+        at its own crossover. The crossovers time layers one at a time, which a whole step through the compiled
+        plan does not bear out (a Xeon, 12 rows: 16.8 ms packed against 21.3 ms at crossovers of 8 and 12). Whole
+        decode steps at each of tuning.ROWS above the layers' smallest crossover (while packed wins, up to
+        max_num_seqs and what the pool holds), both ways interleaved; kept in the machine profile, so timed once."""
         runner, profile = self.runner, self.runner.machine_profile
-        base = runner.plan_rows()
-        if profile is None or base == 0 or profile.plan_rows is not None:  # a cached limit: applied by the runner
+        base = runner.packed_rows()
+        if profile is None or base == 0 or profile.packed_step_rows is not None:  # a cached limit: the runner's
             return
         chosen, timed = base, []
-        blocks = -(-PLAN_TIMING_TOKENS // self.config.block_size)  # a timed sequence's, at most
+        blocks = -(-STEP_TIMING_TOKENS // self.config.block_size)  # a timed sequence's, at most
         for rows in (r for r in tuning.ROWS if base < r <= self.config.max_num_seqs
                      and r * blocks <= self.kv.num_free_blocks):
-            plan_ms, forward_ms = self._plan_against_forward(rows, base)
-            timed.append([rows, round(plan_ms, 3), round(forward_ms, 3)])
-            if plan_ms >= forward_ms:
+            packed_ms, crossover_ms = self._packed_against_crossovers(rows, base)
+            timed.append([rows, round(packed_ms, 3), round(crossover_ms, 3)])
+            if packed_ms >= crossover_ms:
                 break
             chosen = rows
-        runner.set_plan_rows(chosen)
-        runner.machine_profile = tuning.with_plan_rows(profile, chosen, timed)
+        runner.set_packed_rows(chosen)
+        runner.machine_profile = tuning.with_packed_step_rows(profile, chosen, timed)
         self.info = replace(self.info, machine_profile=runner.machine_profile.summary())
-        logger.info("decode steps of up to %d rows through the compiled plan (step ms plan/forward: %s)", chosen,
-                    timed)
+        logger.info("decode steps of up to %d rows keep every layer packed (step ms packed/at the crossovers: %s)",
+                    chosen, timed)
 
-    def _plan_against_forward(self, rows: int, base: int, steps: int = PLAN_TIMING_STEPS) -> tuple[float, float]:
-        """Median ms of a decode step of `rows` sequences through the plan (layers packed up to `rows`) and through
-        the forward (the plan limited to `base` rows), interleaved; the sequences are aborted after."""
-        params = SamplingParams(max_tokens=PLAN_TIMING_TOKENS - 8, ignore_eos=True, temperature=0)
+    def _packed_against_crossovers(self, rows: int, base: int,
+                                   steps: int = STEP_TIMING_STEPS) -> tuple[float, float]:
+        """Median ms of a decode step of `rows` sequences with every decoder layer packed up to `rows`, and with each
+        at its crossover (`base` the smallest), interleaved; the sequences are aborted after."""
+        params = SamplingParams(max_tokens=STEP_TIMING_TOKENS - 8, ignore_eos=True, temperature=0)
         ids = [self.add_request([1 + (r * 131 + i * 7) % 1000 for i in range(8)], params) for r in range(rows)]
         num_steps, times = self.num_steps, {True: [], False: []}
         try:
@@ -706,14 +707,14 @@ class LLMEngine:
             if self.num_running != rows:  # the pool could not hold them all: no step of `rows` rows to time
                 return float("inf"), 0.0
             for _ in range(steps):
-                for planned in (True, False):
-                    self.runner.set_plan_rows(rows if planned else base)
+                for packed in (True, False):
+                    self.runner.set_packed_rows(rows if packed else base)
                     start = time.perf_counter()
                     self.step()
-                    times[planned].append(time.perf_counter() - start)
+                    times[packed].append(time.perf_counter() - start)
         finally:
             for rid in ids:
                 self.abort_request(rid)
-            self.runner.set_plan_rows(base)
+            self.runner.set_packed_rows(base)
             self.num_steps = num_steps
         return 1e3 * statistics.median(times[True]), 1e3 * statistics.median(times[False])

@@ -131,7 +131,7 @@ class ModelRunner:
         if self.machine_profile is not None:
             tuning.apply(self.model, self.machine_profile)
             self._describe_layers()
-        # The decoder layers' crossovers as measured: `set_plan_rows` raises them for the plan, never below these.
+        # The decoder layers' crossovers as measured: `set_packed_rows` raises them, never below these.
         self._crossovers = {m: m.max_packed_rows for layer in self.model.layers for m in layer.modules()
                             if isinstance(m, QuantizedLinear) and m.packed is not None}
         if single_thread_step_tokens is None:
@@ -158,8 +158,8 @@ class ModelRunner:
         self.kv_caches = allocate_kv_pool(shape, self.cfg.num_layers, self.kv_format, self.device)
         if self.decode_step_kind == "plan":  # the layers in one C++ call, where the model's layers allow it
             self.decode_step = self.model.decode_plan(self.kv_caches)
-            if self.machine_profile is not None and self.machine_profile.plan_rows is not None:
-                self.set_plan_rows(self.machine_profile.plan_rows)  # as the engine's warm-up timed it
+            if self.machine_profile is not None and self.machine_profile.packed_step_rows is not None:
+                self.set_packed_rows(self.machine_profile.packed_step_rows)  # as the engine's warm-up timed it
         elif spec is not None:
             self.decode_step = self._compiled_step(spec, num_blocks, max_model_len)
 
@@ -168,23 +168,24 @@ class ModelRunner:
         self.quant_summary = QuantSummary(self.quant_summary.scheme, {
             path: self.model.get_submodule(path).describe() for path in self.quant_summary.path_to_format})
 
-    def plan_rows(self) -> int:
-        """The most rows a decode step may have to run through the CPU's compiled plan (0: there is none)."""
-        step = self.decode_step
-        return step.max_rows if self.decode_step_kind == "plan" and isinstance(step, DecodePlan) else 0
+    def packed_rows(self) -> int:
+        """The most rows a decode step may have with every decoder layer on its packed kernel (0: no compiled plan
+        here, the only step this limit is timed for)."""
+        if self.decode_step_kind != "plan" or not isinstance(self.decode_step, DecodePlan) or not self._crossovers:
+            return 0
+        return min(m.max_packed_rows for m in self._crossovers)
 
-    def set_plan_rows(self, rows: int) -> int:
+    def set_packed_rows(self, rows: int) -> int:
         """Keep every decoder layer packed up to `rows` (or its measured crossover, where that is more) and build the
-        plan again, so decode steps of up to `rows` rows take it: the forward, whose layers follow the same
-        crossovers, computes the same bits. The LM head keeps its own crossover (the plan does not run it).
-        Returns the plan's row limit now (0: no plan)."""
-        if self.decode_step_kind != "plan" or not self.kv_caches or self.plan_rows() == 0:
+        plan again over them: the plan and the forward follow the same crossovers, so they compute the same bits.
+        The LM head keeps its own crossover (the plan does not run it). Returns `packed_rows()` now."""
+        if self.packed_rows() == 0:
             return 0
         for m, measured in self._crossovers.items():
             m.max_packed_rows = max(measured, rows)
         self.decode_step = self.model.decode_plan(self.kv_caches)
         self._describe_layers()
-        return self.plan_rows()
+        return self.packed_rows()
 
     def _compiled_step(self, spec: compiled_decode.CompileSpec, scratch_block: int,
                        max_model_len: int) -> compiled_decode.CompiledDecode | None:

@@ -105,9 +105,9 @@ class MachineProfile:
     source: str = "measured"  # "measured" now, or "cached" (read from `path`)
     path: str | None = None
     stable: bool = True  # False: the timings never settled (a busy machine); reused only UNSTEADY_KEEP_S
-    plan_rows: int | None = None  # decode steps of up to this many rows through the compiled plan, its layers
-    # packed (timed as whole engine steps at the engine's warm-up, `with_plan_rows`); None: not timed yet
-    plan_steps_ms: list[list[float]] = field(default_factory=list)  # [rows, plan ms, forward ms] a decode step
+    packed_step_rows: int | None = None  # decode steps of up to this many rows keep every decoder layer packed
+    # (whole steps timed at the engine's warm-up, `with_packed_step_rows`); None: not timed yet
+    packed_steps_ms: list[list[float]] = field(default_factory=list)  # [rows, packed ms, crossovers' ms] a step
 
     def to_json(self) -> dict[str, Any]:
         return {"version": PROFILE_VERSION, **asdict(self)}
@@ -120,12 +120,12 @@ class MachineProfile:
         if any(not 0 <= c.max_packed_rows <= max(ROWS) for c in crossovers):
             raise ValueError("a crossover is out of range")
         threads = ThreadPolicy(**data["threads"]) if data.get("threads") else None
-        plan_rows = data.get("plan_rows")
-        if plan_rows is not None and not 0 <= int(plan_rows) <= max(ROWS):
-            raise ValueError("the plan's row limit is out of range")
+        rows = data.get("packed_step_rows")
+        if rows is not None and not 0 <= int(rows) <= max(ROWS):
+            raise ValueError("the packed step limit is out of range")
         return cls(data["key"], data["measured_at"], float(data["measure_s"]), crossovers, threads, "cached",
-                   str(path), bool(data.get("stable", True)), None if plan_rows is None else int(plan_rows),
-                   [[float(x) for x in row] for row in data.get("plan_steps_ms", [])])
+                   str(path), bool(data.get("stable", True)), None if rows is None else int(rows),
+                   [[float(x) for x in row] for row in data.get("packed_steps_ms", [])])
 
     def summary(self) -> dict[str, Any]:
         """The choices, without the timings (for /machine-profile, the benchmark JSON, the engine's info)."""
@@ -134,7 +134,7 @@ class MachineProfile:
                 "threads": self.key.get("threads"),
                 "max_packed_rows": {c.group: c.max_packed_rows for c in self.crossovers},
                 "single_thread_step_tokens": self.threads.single_thread_step_tokens if self.threads else None,
-                "plan_rows": self.plan_rows}
+                "packed_step_rows": self.packed_step_rows}
 
     def describe(self) -> list[str]:
         """Lines for `tokenfactory doctor --machine`."""
@@ -155,10 +155,10 @@ class MachineProfile:
                                                                        strict=True))
             lines.append(f"  threads  steps of <= {t.single_thread_step_tokens} tokens on one thread "
                          f"(0: all {t.max_threads} always); linear stack ms 1/{t.max_threads} threads at rows {pairs}")
-        if self.plan_rows is not None:
-            pairs = "  ".join(f"{r:.0f}:{p:.2f}/{f:.2f}" for r, p, f in self.plan_steps_ms)
-            lines.append(f"  plan     decode steps of <= {self.plan_rows} rows through the compiled plan, its layers "
-                         "packed" + (f"; step ms plan/forward at rows {pairs}" if pairs else ""))
+        if self.packed_step_rows is not None:
+            pairs = "  ".join(f"{r:.0f}:{p:.2f}/{f:.2f}" for r, p, f in self.packed_steps_ms)
+            lines.append(f"  steps    decode steps of <= {self.packed_step_rows} rows keep every decoder layer packed"
+                         + (f"; step ms packed/at the crossovers at rows {pairs}" if pairs else ""))
         return lines
 
 
@@ -271,9 +271,9 @@ def _save(profile: MachineProfile, path: Path) -> bool:
         return False
 
 
-def with_plan_rows(profile: MachineProfile, rows: int, steps_ms: list[list[float]]) -> MachineProfile:
-    """The profile with the plan's row limit the engine timed (`LLMEngine.warmup`), cached beside the rest."""
-    timed = replace(profile, plan_rows=rows, plan_steps_ms=steps_ms)
+def with_packed_step_rows(profile: MachineProfile, rows: int, steps_ms: list[list[float]]) -> MachineProfile:
+    """The profile with the packed step limit the engine timed (`LLMEngine.warmup`), cached beside the rest."""
+    timed = replace(profile, packed_step_rows=rows, packed_steps_ms=steps_ms)
     if profile.path is not None:
         with _measuring_lock(Path(profile.path)):
             _save(replace(timed, source="measured", path=None), Path(profile.path))

@@ -833,22 +833,48 @@ class QuantizedLinear(nn.Module):
 
 # What a fused decode step (models/llama.py `DecodePlan`) calls for one linear layer:
 # (kind: 0 dense, 1 int8-activation int4, 2 int8-activation int8; weight or codes; scales; mins; bias; most rows).
-PlanLinear = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]
+@dataclass(frozen=True)
+class PlanLinear:
+    """How the compiled decode step (csrc/cpu_kernels.h `PlanLinear`) runs one linear layer exactly as its `forward`
+    does at a decode step's rows: dense (kind 0: `weight`), or an int8-activation kernel's codes (kind 1 int4, 2
+    int8) up to `packed_rows` rows and past them the layer's dense path (`dense`, or oneDNN's `prepacked` weight up to
+    PREPACKED_MAX_ROWS rows) where it keeps one. Absent tensors are empty (numel 0)."""
+
+    kind: int
+    weight: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
+    bias: torch.Tensor
+    packed_rows: int
+    dense: torch.Tensor
+    prepacked: torch.Tensor
+
+    @property
+    def max_rows(self) -> int:
+        """The most rows the plan can give this layer: any for a dense one or a packed one with a kept dense path."""
+        return 1 << 30 if self.kind == 0 or self.dense.numel() or self.prepacked.is_mkldnn else self.packed_rows
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.weight, self.scales, self.mins, self.bias, self.dense, self.prepacked]
 
 
 def plan_linear(module: nn.Module, dtype: torch.dtype) -> PlanLinear | None:
-    """How the compiled decode step runs this layer exactly as its `forward` would for a decode section of at most
-    the returned rows (a dense layer: any number), or None where it cannot (another packed kernel, a gathered
-    input). Absent tensors are empty (numel 0)."""
+    """How the compiled decode step runs this layer (`PlanLinear`), or None where it cannot (another packed kernel,
+    a gathered input)."""
     none = torch.empty(0, dtype=dtype)
     if type(module) is nn.Linear:
-        return 0, module.weight, none, none, none if module.bias is None else module.bias, 1 << 30
+        bias = none if module.bias is None else module.bias
+        return PlanLinear(0, module.weight, none, none, bias, 1 << 30, none, none)
     if not isinstance(module, QuantizedLinear) or module.input_order is not None:
         return None
     bias = none if module.bias is None else module.bias
     if isinstance(module.packed, Int4GroupQ8CPU | Int8GroupQ8CPU) and dtype == torch.bfloat16:
         kind = 1 if isinstance(module.packed, Int4GroupQ8CPU) else 2
-        return kind, module.packed.codes, module.packed.scales, module.packed.mins, bias, module.max_packed_rows
+        kept = module.dense.weight() if isinstance(module.dense, DenseCopy) else None  # type: ignore[union-attr]
+        dense = kept if kept is not None and kept.dtype == dtype else none
+        prepacked = module._prepacked if module._prepacked is not None and dense.numel() else none
+        return PlanLinear(kind, module.packed.codes, module.packed.scales, module.packed.mins, bias,
+                          module.max_packed_rows, dense, prepacked)
     return None
 
 

@@ -19,7 +19,7 @@ from tokenfactory.layers.activation import silu_mul
 from tokenfactory.layers.attention import AttentionMetadata, paged_attention_qkv
 from tokenfactory.layers.cpu_kernels import fused_kernels
 from tokenfactory.layers.norm import add_rms_norm, rms_norm
-from tokenfactory.layers.quant import plan_linear
+from tokenfactory.layers.quant import PREPACKED_MAX_ROWS, plan_linear
 from tokenfactory.layers.rotary import RopeBatch, Rotary
 
 
@@ -89,7 +89,9 @@ class LlamaForCausalLM(nn.Module):
     def decode_plan(self, kv_caches: list[tuple[torch.Tensor, ...]]) -> DecodePlan | None:
         """The decoder layers of a decode-only step as one compiled call over these caches (`DecodePlan`), or None
         where it cannot run them exactly as `forward` does: not the CPU, not bfloat16, a quantized KV cache, a
-        linear layer on a kernel it does not call, or no compiled kernels."""
+        linear layer on a kernel it does not call, or no compiled kernels. Each layer runs as `forward` would at
+        the step's rows (its layers' crossovers as they are now: build the plan again when they change); a packed
+        layer without a kept dense copy limits the plan to its packed rows."""
         kernels = fused_kernels()
         dtype = self.embed_tokens.weight.dtype
         if kernels is None or self.embed_tokens.weight.device.type != "cpu" or dtype != torch.bfloat16 \
@@ -97,6 +99,7 @@ class LlamaForCausalLM(nn.Module):
             return None
         tensors: list[torch.Tensor] = []
         kinds: list[int] = []
+        packed_rows: list[int] = []
         max_rows = 1 << 30
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             tensors += [layer.input_norm, layer.post_norm, k_cache, v_cache]
@@ -104,15 +107,16 @@ class LlamaForCausalLM(nn.Module):
                 spec = plan_linear(proj, dtype)
                 if spec is None:
                     return None
-                kinds.append(spec[0])
-                tensors += spec[1:5]
-                max_rows = min(max_rows, spec[5])
+                kinds.append(spec.kind)
+                packed_rows.append(spec.packed_rows)
+                tensors += spec.tensors()
+                max_rows = min(max_rows, spec.max_rows)
         if max_rows < 1:
             return None
         c = self.cfg
-        plan = kernels.DecodePlan([t.detach() for t in tensors], kinds,
+        plan = kernels.DecodePlan([t.detach() for t in tensors], kinds, packed_rows,
                                   [layer.window or 0 for layer in self.layers], c.num_heads, c.num_kv_heads,
-                                  c.head_dim ** -0.5, c.rms_norm_eps)
+                                  c.head_dim ** -0.5, c.rms_norm_eps, PREPACKED_MAX_ROWS)
         return DecodePlan(self, plan, max_rows)
 
     @torch.no_grad()

@@ -23,7 +23,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8act_fast_path", &q8act_fast_path);
   py::class_<DecodePlan>(m, "DecodePlan")
       .def(py::init<const std::vector<torch::Tensor>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
-                    int64_t, int64_t, double, double>())
+                    const std::vector<int64_t>&, int64_t, int64_t, double, double, int64_t>())
       .def("run", &DecodePlan::run, py::call_guard<py::gil_scoped_release>())
       .def("set_one_region", &DecodePlan::set_one_region)
       .def_property_readonly("num_layers", &DecodePlan::num_layers);

@@ -20,6 +20,7 @@
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <algorithm>
 #include <array>
@@ -1101,6 +1102,15 @@ at::Tensor q8act_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::T
 }
 
 // ---------------------------------------------------------------------------------------------------------
+at::Tensor prepacked_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  std::vector<c10::IValue> stack{x, packed, bias, std::string("none"), c10::List<c10::optional<at::Scalar>>(),
+                                 c10::optional<std::string>(std::string(""))};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
 // DecodePlan's one parallel region (cpu_kernels.h). Op by op, a one-row decode token of the bundled model forked
 // and joined the threads ~150 times and allocated ~200 tensors, and each op checked its arguments again; here the
 // checks run once, the scratch is kept by the calling thread, and the team meets at barriers. Serial work stays

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -34,14 +35,29 @@ at::Tensor q8act_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::T
 // module call, an argument check, a dispatch each: ~2 ms of a ~10 ms single-stream token on 2 cores). Built once
 // over the model's tensors; each step passes only what changes (the tokens' embeddings, positions and the
 // attention metadata). A linear layer is dense (at::linear on its weight and bias) or an int8-activation kernel's
-// codes (q8act_linear, int4 or int8), bias added after it as QuantizedLinear adds it.
+// codes (q8act_linear, int4 or int8), bias added after it as QuantizedLinear adds it, up to its packed rows and
+// past them the layer's own dense path, as QuantizedLinear takes it.
+
+// oneDNN's linear on its prepacked weight (mkldnn::_linear_pointwise, as layers/quant.py `prepacked_linear` calls it).
+at::Tensor prepacked_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
 
 struct PlanLinear {
   int64_t kind;  // 0 dense, 1 q8act int4, 2 q8act int8
   at::Tensor w, scales, mins, bias;  // dense: w (N, K); q8act: w the codes. bias: numel 0 for none
+  // A q8act layer past `packed_rows` rows takes its dense path, as QuantizedLinear.dense_linear does: oneDNN's
+  // prepacked weight up to `prepacked_rows` rows where it has one (an mkldnn tensor), else at::linear on `dense`
+  // (numel 0: none, and the plan never gives this layer more than packed_rows rows).
+  int64_t packed_rows = 0, prepacked_rows = 0;
+  at::Tensor dense, prepacked;
 
   at::Tensor operator()(const at::Tensor& x) const {
-    if (kind == 0) return at::linear(x, w, bias.numel() ? c10::optional<at::Tensor>(bias) : c10::nullopt);
+    const auto b = bias.numel() ? c10::optional<at::Tensor>(bias) : c10::nullopt;
+    if (kind == 0) return at::linear(x, w, b);
+    if (x.size(0) > packed_rows) {
+      if (prepacked.is_mkldnn() && x.size(0) <= prepacked_rows) return prepacked_linear(x.contiguous(), prepacked, b);
+      TORCH_CHECK(dense.numel(), "DecodePlan: a packed layer got more rows than its packed kernel takes");
+      return at::linear(x, dense, b);
+    }
     auto y = q8act_linear(x.is_contiguous() ? x : x.contiguous(), w, scales, mins, kind == 1, true);
     return bias.numel() ? y + bias : y;
   }
@@ -55,19 +71,24 @@ struct PlanLayer {
 
 class DecodePlan {
  public:
-  // Per layer, 20 tensors: input_norm, post_norm, k_cache, v_cache, then (w, scales, mins, bias) of qkv, o,
-  // gate_up and down; `kinds` 4 per layer, `windows` one (0: full attention).
+  // Per layer, 28 tensors: input_norm, post_norm, k_cache, v_cache, then (w, scales, mins, bias, dense, prepacked)
+  // of qkv, o, gate_up and down; `kinds` and `packed_rows` 4 per layer, `windows` one (0: full attention);
+  // `prepacked_rows`: the most rows a prepacked weight takes.
   DecodePlan(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& kinds,
-             const std::vector<int64_t>& windows, int64_t num_heads, int64_t num_kv_heads, double scale, double eps)
+             const std::vector<int64_t>& packed_rows, const std::vector<int64_t>& windows, int64_t num_heads,
+             int64_t num_kv_heads, double scale, double eps, int64_t prepacked_rows)
       : nh_(num_heads), nkv_(num_kv_heads), scale_(scale), eps_(eps) {
     const size_t n = windows.size();
-    TORCH_CHECK(tensors.size() == 20 * n && kinds.size() == 4 * n, "DecodePlan: 20 tensors and 4 kinds a layer");
+    TORCH_CHECK(tensors.size() == 28 * n && kinds.size() == 4 * n && packed_rows.size() == 4 * n,
+                "DecodePlan: 28 tensors, 4 kinds and 4 packed row limits a layer");
     for (size_t i = 0; i < n; ++i) {
-      const at::Tensor* t = tensors.data() + 20 * i;
+      const at::Tensor* t = tensors.data() + 28 * i;
       auto linear = [&](int j) {
         const int64_t kind = kinds[4 * i + j];
         TORCH_CHECK(kind >= 0 && kind <= 2, "DecodePlan: a linear layer is dense (0) or q8act int4/int8 (1/2)");
-        return PlanLinear{kind, t[4 + 4 * j], t[5 + 4 * j], t[6 + 4 * j], t[7 + 4 * j]};
+        const at::Tensor* l = t + 4 + 6 * j;
+        if (kind != 0) region_rows_ = std::min(region_rows_, packed_rows[4 * i + j]);
+        return PlanLinear{kind, l[0], l[1], l[2], l[3], packed_rows[4 * i + j], prepacked_rows, l[4], l[5]};
       };
       layers_.push_back(PlanLayer{t[0], t[1], t[2], t[3], linear(0), linear(1), linear(2), linear(3),
                                   windows[i]});
@@ -80,7 +101,7 @@ class DecodePlan {
   at::Tensor run(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin,
                     at::Tensor slots, at::Tensor block_tables, at::Tensor seq_lens,
                     at::Tensor query_start) const {
-    if (one_region_ && x.dim() == 2 && x.scalar_type() == at::kBFloat16) {
+    if (one_region_ && x.dim() == 2 && x.size(0) <= region_rows_ && x.scalar_type() == at::kBFloat16) {
       auto y = run_region(x, positions, cos, sin, slots, block_tables, seq_lens, query_start);
       if (y.defined()) return y;
     }
@@ -118,4 +139,5 @@ class DecodePlan {
   int64_t nh_, nkv_;
   double scale_, eps_;
   bool one_region_ = false;
+  int64_t region_rows_ = INT64_MAX;  // the most rows every linear layer takes packed: the region's limit
 };
