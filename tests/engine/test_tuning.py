@@ -297,3 +297,11 @@ def test_packed_against_crossovers_times_real_steps_and_leaves_nothing_behind(ti
     assert e.num_steps == steps and e.runner.packed_rows() == 4
     rid = e.add_request([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))  # and it still serves
     assert len(e.run_to_completion([rid])[rid].outputs[0].token_ids) == 3
+
+
+def test_a_dense_model_has_no_crossovers_and_still_starts(tiny_planned, cache) -> None:
+    e = engine(tiny_planned, quantization="none", dtype="bfloat16")
+    assert e.machine_profile is not None and e.machine_profile.crossovers == []
+    assert e.runner.packed_rows() == 0
+    e.warmup()  # nothing packed: no step limit to time
+    assert e.machine_profile.packed_step_rows is None

@@ -13,6 +13,9 @@ chosen on one CPU were wrong on the other, so the engine measures them at its fi
     threads      the model's whole stack of linear layers (each on the path just chosen) at 1, 2, 4, 8 rows,
                  on one thread and on all, while a second Python thread does what a streaming gateway does
                  (a little work every millisecond); steps that are 10% faster on one thread take one
+    steps        how many rows a decode step may have and still run faster with every decoder layer packed
+                 than with each at its crossover: whole steps, timed by the engine's warm-up (`LLMEngine.
+                 _time_packed_step_rows`) and added to the cached profile (`with_packed_step_rows`)
 
 `load_or_measure` keys the profile by the CPU's name and flags, torch's version, the thread count, the
 model's layer shapes and the compiled kernels' sources, and caches it as JSON (`~/.cache/tokenfactory/profiles`, or
@@ -337,6 +340,8 @@ def measure_crossovers(model: nn.Module, repeats: int = 3) -> tuple[list[Crossov
     Rows up to two past the first where the dense path wins in any group; passes repeat until steady (whether they
     were, second)."""
     groups = layer_groups(model)
+    if not groups:  # nothing packed (a dense model): no crossover to choose
+        return [], True
     timed = {id(m): name for name, mods in groups.items() for m in mods[:MAX_LAYERS_PER_GROUP]}
     order = [(timed[id(m)], m) for m in model.modules() if id(m) in timed]
     counts = {name: sum(1 for n, _ in order if n == name) for name in groups}

@@ -831,8 +831,6 @@ class QuantizedLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, {self.describe()}"
 
 
-# What a fused decode step (models/llama.py `DecodePlan`) calls for one linear layer:
-# (kind: 0 dense, 1 int8-activation int4, 2 int8-activation int8; weight or codes; scales; mins; bias; most rows).
 @dataclass(frozen=True)
 class PlanLinear:
     """How the compiled decode step (csrc/cpu_kernels.h `PlanLinear`) runs one linear layer exactly as its `forward`
