@@ -285,6 +285,19 @@ def test_the_packed_step_limit_is_timed_at_warm_up_and_cached(tiny_planned, cach
     assert second.runner.packed_rows() >= 16
 
 
+def test_a_limit_cut_short_by_the_engines_size_is_used_but_not_cached(tiny_planned, cache, monkeypatch) -> None:
+    small = engine(tiny_planned, max_num_seqs=12, **PLANNED)
+    if small.runner.packed_rows() == 0:
+        pytest.skip("no compiled plan here: the int8-activation kernels need AVX-512 VNNI")
+    assert narrowed(small, 4) == 4
+    monkeypatch.setattr(LLMEngine, "_packed_against_crossovers", lambda self, rows, base, steps=5: (1.0, 2.0))
+    small.warmup()  # packed wins at 6, 8 and 12 rows; 16 is past this engine's max_num_seqs
+    assert small.runner.packed_rows() == 12
+    assert small.machine_profile.packed_step_rows is None and small.info.machine_profile["packed_step_rows"] is None
+    (path,) = cache.glob("*.json")
+    assert json.loads(path.read_text())["packed_step_rows"] is None  # a bigger engine times it again
+
+
 def test_packed_against_crossovers_times_real_steps_and_leaves_nothing_behind(tiny_planned, cache) -> None:
     e = engine(tiny_planned, max_num_seqs=16, **PLANNED)
     if e.runner.packed_rows() == 0:

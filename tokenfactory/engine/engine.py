@@ -678,20 +678,23 @@ class LLMEngine:
         base = runner.packed_rows()
         if profile is None or base == 0 or profile.packed_step_rows is not None:  # a cached limit: the runner's
             return
-        chosen, timed = base, []
+        chosen, timed, decided = base, [], True
         blocks = -(-STEP_TIMING_TOKENS // self.config.block_size)  # a timed sequence's, at most
-        for rows in (r for r in tuning.ROWS if base < r <= self.config.max_num_seqs
-                     and r * blocks <= self.kv.num_free_blocks):
+        for rows in (r for r in tuning.ROWS if r > base):
+            if rows > self.config.max_num_seqs or rows * blocks > self.kv.num_free_blocks:
+                decided = False  # this engine cannot run such a step: another, bigger one may time it
+                break
             packed_ms, crossover_ms = self._packed_against_crossovers(rows, base)
             timed.append([rows, round(packed_ms, 3), round(crossover_ms, 3)])
             if packed_ms >= crossover_ms:
                 break
             chosen = rows
         runner.set_packed_rows(chosen)
-        runner.machine_profile = tuning.with_packed_step_rows(profile, chosen, timed)
-        self.info = replace(self.info, machine_profile=runner.machine_profile.summary())
-        logger.info("decode steps of up to %d rows keep every layer packed (step ms packed/at the crossovers: %s)",
-                    chosen, timed)
+        if decided:  # a limit this engine's size did not cut short: the machine's, cached with its profile
+            runner.machine_profile = tuning.with_packed_step_rows(profile, chosen, timed)
+            self.info = replace(self.info, machine_profile=runner.machine_profile.summary())
+        logger.info("decode steps of up to %d rows keep every layer packed (step ms packed/at the crossovers: %s%s)",
+                    chosen, timed, "" if decided else "; this engine's steps are no larger, not cached")
 
     def _packed_against_crossovers(self, rows: int, base: int,
                                    steps: int = STEP_TIMING_STEPS) -> tuple[float, float]:
