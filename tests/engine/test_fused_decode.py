@@ -124,7 +124,9 @@ def test_bundled_model_decodes_through_the_plan_as_served(bundled) -> None:
     assert checked.steps >= 7 and max(checked.rows) == 6
 
 
-@pytest.mark.parametrize(("dense", "packed_rows"), [("copy", 16), ("prepacked", 16), ("copy", 4), ("prepacked", 4)])
+@pytest.mark.parametrize(("dense", "packed_rows"), [  # serve's default in the quick suite, the rest in the full one
+    pytest.param("copy", 16, marks=pytest.mark.slow), pytest.param("prepacked", 16, marks=pytest.mark.slow),
+    pytest.param("copy", 4, marks=pytest.mark.slow), ("prepacked", 4)])
 def test_bundled_model_plan_at_and_past_the_packed_rows(bundled, dense, packed_rows) -> None:
     """Steps of up to 14 rows through the plan, its layers packed up to `packed_rows` (16: every step packed, in one
     region; 4: the larger steps on the layers' dense path inside the plan, oneDNN's prepacked weight or the plain
