@@ -19,7 +19,7 @@ chosen on one CPU were wrong on the other, so the engine measures them at its fi
 
 `load_or_measure` keys the profile by the CPU's name and flags, torch's version, the thread count, the
 model's layer shapes and the compiled kernels' sources, and caches it as JSON (`~/.cache/tokenfactory/profiles`, or
-`$TOKENFACTORY_PROFILE_CACHE`), so only the first start pays (about 8 s for the bundled model on 2 cores).
+`$TOKENFACTORY_PROFILE_CACHE`), so only the first start pays (about 6 s for the bundled model on 2 cores).
 `tokenfactory doctor --machine` prints it; `serve --machine-profile remeasure` and `doctor --machine
 --remeasure` measure again; `off` keeps the constants (layers/quant.py KERNELS, one thread policy for all).
 Measure on a quiet machine: the profile is what the engine then believes.
@@ -332,7 +332,7 @@ def steady_minimum(measure_pass: Callable[[], list[float]]) -> tuple[list[float]
     return best, False
 
 
-def measure_crossovers(model: nn.Module, repeats: int = 3) -> tuple[list[Crossover], bool]:
+def measure_crossovers(model: nn.Module, repeats: int = 2) -> tuple[list[Crossover], bool]:
     """Packed against dense for every group at once, each layer timed where a step runs it: the model's whole stack
     of quantized layers in its order, all on one path, so that a layer's weights come back from wherever the rest of
     a step left them. Timed alone, a group's dense copy stayed in a large L3 between repeats and looked twice as fast
