@@ -3,7 +3,8 @@ of the bundled model (official client, streaming, over HTTP), and through the si
 TTFT and TPOT p50 and tokens/s agree within 20%.
 
 The simulated replica's step cost is a line fitted to the replicas' own steps (the StepStats the meter hears):
-seconds = base + per_seq · B + per_prefill_token · P, least squares; once on a different, lighter trace through
+seconds = base + per_seq · B + per_prefill_token · P + prefill_step · [P > 0], least squares (a decode-only step
+runs the compiled plan, one with prompt tokens the Python forward); once on a different, lighter trace through
 the same fleet, once on the validated trace's own steps. The planner's first-principles model is for the devices
 in its catalog; on this shared 2-core CPU the measured line is the replica model.
 
@@ -85,14 +86,15 @@ def step_periods(steps: list[StepStats]) -> list[tuple[StepStats, float]]:
 
 
 def fit_step_cost(steps_by_replica: dict[str, list[StepStats]]) -> LinearCost:
-    """period = base + per_seq · B + per_prefill_token · P over every replica's steps, by least squares (the
-    mean: what the time budget, and so tokens/s, depends on)."""
+    """period = base + per_seq · B + per_prefill_token · P + prefill_step · [P > 0] over every replica's steps, by
+    least squares (the mean: what the time budget, and so tokens/s, depends on)."""
     pairs = [p for steps in steps_by_replica.values() for p in step_periods(steps)]
-    x = np.array([[1.0, len({w.request_id for w in s.work}), s.num_prefill_tokens] for s, _ in pairs])
+    x = np.array([[1.0, len({w.request_id for w in s.work}), s.num_prefill_tokens, float(s.num_prefill_tokens > 0)]
+                  for s, _ in pairs])
     y = np.array([period for _, period in pairs])
     coef, *_ = np.linalg.lstsq(x, y, rcond=None)
-    base, per_seq, per_prefill = (max(float(c), 0.0) for c in coef)
-    return LinearCost(base, per_seq, per_prefill, busy_w=100.0)
+    base, per_seq, per_prefill, prefill_step = (max(float(c), 0.0) for c in coef)
+    return LinearCost(base, per_seq, per_prefill, busy_w=100.0, prefill_step_s=prefill_step)
 
 
 def run_validation(tmp: Path, requests: int = 60) -> dict[str, dict[str, float]]:

@@ -29,9 +29,11 @@ class LinearCost:
     per_seq_s: float = 0.0
     per_prefill_token_s: float = 0.0
     busy_w: float = 100.0
+    prefill_step_s: float = 0.0  # more for a step with prompt tokens (on a CPU: the Python forward, not the plan)
 
     def cost(self, batch: int, context: float, prefill: float, prompt: float) -> tuple[float, float]:
-        return self.base_s + self.per_seq_s * batch + self.per_prefill_token_s * prefill, self.busy_w
+        mixed = self.prefill_step_s if prefill > 0 else 0.0
+        return self.base_s + mixed + self.per_seq_s * batch + self.per_prefill_token_s * prefill, self.busy_w
 
 
 class PlannerCost:
