@@ -296,6 +296,14 @@ def test_a_limit_cut_short_by_the_engines_size_is_used_but_not_cached(tiny_plann
     assert small.machine_profile.packed_step_rows is None and small.info.machine_profile["packed_step_rows"] is None
     (path,) = cache.glob("*.json")
     assert json.loads(path.read_text())["packed_step_rows"] is None  # a bigger engine times it again
+    # A pool that turned out not to hold the sequences (an infinite time): the same, nothing cached.
+    monkeypatch.setattr(LLMEngine, "_packed_against_crossovers",
+                        lambda self, rows, base, steps=5: (float("inf"), 0.0))
+    full = engine(tiny_planned, max_num_seqs=64, **PLANNED)
+    assert narrowed(full, 4) == 4
+    full.warmup()
+    assert full.runner.packed_rows() == 4 and full.machine_profile.packed_step_rows is None
+    assert json.loads(path.read_text())["packed_step_rows"] is None
 
 
 def test_packed_against_crossovers_times_real_steps_and_leaves_nothing_behind(tiny_planned, cache) -> None:

@@ -673,7 +673,8 @@ class LLMEngine:
         at its own crossover. The crossovers time layers one at a time, which a whole step through the compiled
         plan does not bear out (a Xeon, 12 rows: 16.8 ms packed against 21.3 ms at crossovers of 8 and 12). Whole
         decode steps at each of tuning.ROWS above the layers' smallest crossover (while packed wins, up to
-        max_num_seqs and what the pool holds), both ways interleaved; kept in the machine profile, so timed once."""
+        max_num_seqs and what the pool holds), both ways interleaved; kept in the machine profile, so timed once,
+        unless this engine was too small to decide it."""
         runner, profile = self.runner, self.runner.machine_profile
         base = runner.packed_rows()
         if profile is None or base == 0 or profile.packed_step_rows is not None:  # a cached limit: the runner's
@@ -685,6 +686,9 @@ class LLMEngine:
                 decided = False  # this engine cannot run such a step: another, bigger one may time it
                 break
             packed_ms, crossover_ms = self._packed_against_crossovers(rows, base)
+            if packed_ms == float("inf"):  # the pool did not hold them all after all: as if too small
+                decided = False
+                break
             timed.append([rows, round(packed_ms, 3), round(crossover_ms, 3)])
             if packed_ms >= crossover_ms:
                 break
