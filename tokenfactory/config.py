@@ -235,3 +235,11 @@ def work_flops(shape: FlopShape, num_new_tokens: int, num_context_tokens: int) -
     n, c = num_new_tokens, num_context_tokens
     d_attn = shape.num_heads * shape.head_dim
     return 2.0 * shape.num_params * n + 4.0 * shape.num_layers * d_attn * (n * c + n * (n + 1) / 2)
+
+
+def dense_path(flag: str) -> str:
+    """--quantization-dense as the engine takes it: "auto" starts as the prepacked copy (the plain copy off a CPU or
+    bf16: layers/quant.py `effective_dense`); the start-up check (`load_checked`) steps down the order of
+    layers/weight_bytes.py `dense_order` to what fits, and on CUDA to on-the-fly when the copy would make the weights
+    bigger than unquantized (`auto_dense`)."""
+    return "prepacked" if flag == "auto" else flag

@@ -56,7 +56,7 @@ def print_machine_profile(model: str | None, quantization: str = "auto", dtype: 
     no engine. The planner's weight formats (bf16, fp16, fp32) mean no quantization at that dtype."""
     import torch
 
-    from tokenfactory.config import EngineConfig
+    from tokenfactory.config import EngineConfig, dense_path
     from tokenfactory.engine.engine import LLMEngine
 
     as_dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -64,9 +64,9 @@ def print_machine_profile(model: str | None, quantization: str = "auto", dtype: 
         quantization, dtype = "none", as_dtype[quantization]
     if threads is not None:
         torch.set_num_threads(threads)
-    # serve's engine: its dense path ("auto" starts as the prepacked copy) and a pool for the plan's timed steps
+    # serve's engine: its dense path (--quantization-dense auto) and a pool for the timed decode steps
     engine = LLMEngine(EngineConfig(model=model, quantization=quantization, dtype=dtype, kv_cache_memory=64 << 20,
-                                    max_model_len=256, quantization_dense="prepacked",
+                                    max_model_len=256, quantization_dense=dense_path("auto"),
                                     machine_profile="remeasure" if remeasure else "auto"))
     engine.warmup()  # where the profile has no row limit for the compiled plan yet, it is timed now
     profile = engine.machine_profile

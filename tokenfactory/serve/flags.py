@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+from tokenfactory.config import dense_path
 from tokenfactory.levers import parse_memory  # --kv-cache-memory's type, shared with doctor (#30)
 
 
@@ -89,14 +90,6 @@ def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201 - EngineC
                         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                         pooling=getattr(args, "pooling", "auto"), scheduling_policy=scheduling_policy(args),
                         decode_step=getattr(args, "decode_step", "auto"))
-
-
-def dense_path(flag: str) -> str:
-    """--quantization-dense as the engine takes it: "auto" starts as the prepacked copy (the plain copy off a CPU or
-    bf16: layers/quant.py `effective_dense`); the start-up check (`load_checked`) steps down the order of
-    layers/weight_bytes.py `dense_order` to what fits, and on CUDA to on-the-fly when the copy would make the weights
-    bigger than unquantized (`auto_dense`)."""
-    return "prepacked" if flag == "auto" else flag
 
 
 def scheduling_policy(args: argparse.Namespace) -> str:
