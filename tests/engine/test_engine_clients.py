@@ -156,6 +156,25 @@ def test_embeddings_and_prompt_logprobs_equal_the_engines(client, config) -> Non
     wait_idle(client)
 
 
+def test_streamed_deltas_add_up_to_the_final_output_in_order(client, expected) -> None:
+    """Every output a stream yields, concatenated, is the final output: none lost, none repeated, in order, however
+    the client hands them over (across a process only deltas travel; a slow reader's outputs are merged)."""
+    async def main(rid: str, prompt: list[int]) -> tuple[list[int], list[int], int]:
+        ids: list[int] = []
+        n = 0
+        async for out in client.generate(add(rid, prompt)):
+            assert ids == out.outputs[0].token_ids[:len(ids)]  # the stream only grows
+            ids += out.outputs[0].token_ids_delta
+            n += 1
+            last = out
+        assert last.finished
+        return ids, last.outputs[0].token_ids, n
+
+    for i, prompt in enumerate(PROMPTS):
+        ids, whole, n = asyncio.run(main(f"d{i}", prompt))
+        assert ids == whole == expected[i] and 1 <= n <= len(whole)
+
+
 def test_leaving_early_aborts_and_frees_the_blocks(client) -> None:
     """It asks for the whole context window and must stop far short of it: a request that ran to its end would
     pass the wait for idle blocks alone (the tiny model makes 200 tokens well inside it)."""
