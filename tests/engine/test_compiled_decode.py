@@ -76,7 +76,7 @@ class Checked:
         return out
 
 
-@pytest.mark.parametrize("quantization", ["none", "int8"])
+@pytest.mark.parametrize("quantization", ["none", pytest.param("int8", marks=pytest.mark.slow)])
 def test_compiled_steps_match_the_forward_in_every_bucket(tmp_path, pytorch_path, quantization) -> None:
     folder = tiny_random_model_dir(tmp_path, "llama", hidden_size=128, intermediate_size=256, num_heads=4,
                                    num_kv_heads=2)

@@ -136,13 +136,13 @@ def test_greedy_is_the_same_on_a_prefix_cache_hit_and_beside_a_decoding_sequence
     assert first_cold.logprob == pytest.approx(first_warm.logprob, abs=0.25)
 
 
-def test_n_siblings_reuse_the_leaders_blocks(bundled) -> None:
-    engine = LLMEngine(EngineConfig(kv_cache_memory=64 << 20, max_model_len=1024), bundled)
+def test_n_siblings_reuse_the_leaders_blocks(engine) -> None:
+    assert not engine.has_unfinished_requests  # the module's engine, idle between tests
     prompt = list(range(1000, 1100))  # 100 tokens: 6 full blocks
-    engine.add_request(prompt, SamplingParams(n=4, max_tokens=3, ignore_eos=True))
+    rid = engine.add_request(prompt, SamplingParams(n=4, max_tokens=3, ignore_eos=True))
     engine.step()  # the leader's prefill
     engine.step()  # siblings admitted with a prefix hit
-    tables = [engine.kv.block_ids(f"{rid}#{i}") for rid in list(engine.requests) for i in range(4)]
+    tables = [engine.kv.block_ids(f"{rid}#{i}") for i in range(4)]
     assert all(t[:6] == tables[0][:6] for t in tables)
     while engine.has_unfinished_requests:
         engine.step()

@@ -55,7 +55,9 @@ def test_planned_bytes_are_the_placed_bytes(tiny, scheme, dense):
                                           if isinstance(m, QuantizedLinear))
 
 
-@pytest.mark.parametrize("scheme,dense", [("auto", "prepacked"), ("auto", "copy"), ("int4", "on-the-fly")])
+# serve's default in the quick suite; the other two forms (4-5 s each) in the full one
+@pytest.mark.parametrize("scheme,dense", [("auto", "prepacked"), pytest.param("auto", "copy", marks=pytest.mark.slow),
+                                          pytest.param("int4", "on-the-fly", marks=pytest.mark.slow)])
 def test_planned_bytes_on_the_bundled_gguf(bundled, scheme, dense):
     # "auto" keeps the file's own Q4_1/Q8_0 blocks; the tied head's dense copy is the embedding itself.
     # No machine profile: bytes do not depend on kernel crossovers (measuring one was most of the 28 s).
