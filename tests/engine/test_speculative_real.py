@@ -47,14 +47,26 @@ def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int = 48,
     return [(outs[i].outputs[0].token_ids, outs[i].outputs[0].text) for i in ids]
 
 
+# Each float32 engine of the bundled model takes 6-10 s to build here: the module builds the plain and the n-gram
+# one once, and a test that needs an empty prefix cache resets it (a fresh engine's state) rather than building.
 @pytest.fixture(scope="module")
-def plain(bundled, copy_prompts) -> list[tuple[list[int], str]]:
-    engine = make_engine(bundled)
-    return [run(engine, [p])[0] for p in copy_prompts]
+def plain_engine(bundled) -> LLMEngine:
+    return make_engine(bundled)
 
 
-def test_ngram_greedy_identical_alone_and_batched(bundled, copy_prompts, plain) -> None:
-    engine = make_engine(bundled, "ngram")
+@pytest.fixture(scope="module")
+def ngram_engine(bundled) -> LLMEngine:
+    return make_engine(bundled, "ngram")
+
+
+@pytest.fixture(scope="module")
+def plain(plain_engine, copy_prompts) -> list[tuple[list[int], str]]:
+    return [run(plain_engine, [p])[0] for p in copy_prompts]
+
+
+def test_ngram_greedy_identical_alone_and_batched(bundled, copy_prompts, plain, ngram_engine) -> None:
+    engine = ngram_engine
+    engine.reset_prefix_cache()
     assert [run(engine, [p])[0] for p in copy_prompts] == plain
     m = engine.speculator.metrics()
     assert m.num_accepted_tokens > 20  # the copy-heavy prompts really were drafted
@@ -63,8 +75,9 @@ def test_ngram_greedy_identical_alone_and_batched(bundled, copy_prompts, plain) 
     assert batched.kv.num_free_blocks == batched.kv.num_blocks or batched.config.enable_prefix_caching
 
 
-def test_ngram_greedy_identical_on_prefix_hit_and_after_preemption(bundled, copy_prompts, plain) -> None:
-    engine = make_engine(bundled, "ngram")
+def test_ngram_greedy_identical_on_prefix_hit_and_after_preemption(bundled, copy_prompts, plain, plain_engine,
+                                                                   ngram_engine) -> None:
+    engine = ngram_engine
     run(engine, copy_prompts[:1])
     params = SamplingParams(temperature=0, max_tokens=48)
     rid = engine.add_request({"prompt_token_ids": copy_prompts[0]}, params)
@@ -74,7 +87,8 @@ def test_ngram_greedy_identical_on_prefix_hit_and_after_preemption(bundled, copy
     # 36 blocks: the code prompt (474 tokens, 30 blocks, growing to 34) and the story prompt (46 tokens,
     # growing to 8 blocks) are both admitted, then outgrow the pool.
     pair = [copy_prompts[0], copy_prompts[3]]
-    reference = run(make_engine(bundled), pair, max_tokens=80, ignore_eos=True)
+    plain_engine.reset_prefix_cache()
+    reference = run(plain_engine, pair, max_tokens=80, ignore_eos=True)
     small = make_engine(bundled, "ngram", kv_cache_memory=36 * per_block, max_model_len=576,
                         enable_prefix_caching=False)
     assert run(small, pair, max_tokens=80, ignore_eos=True) == reference
