@@ -175,6 +175,34 @@ def test_streamed_deltas_add_up_to_the_final_output_in_order(client, expected) -
         assert ids == whole == expected[i] and 1 <= n <= len(whole)
 
 
+def test_a_worker_sends_steps_and_snapshots_with_ends_not_every_step(config, monkeypatch) -> None:
+    """serve_worker's batches (a process or Ray replica's wire): a step's outputs go out at once, but its StepStats
+    and a snapshot only with a batch that ends a request (so the gateway's meter still hears every step of a request
+    before its end), every BATCH_INTERVAL_S, or when idle; pickling both every step cost ~0.1 ms a token."""
+    from tokenfactory.engine import worker as worker_module
+    from tokenfactory.engine.client import Shutdown, WorkerEvents
+
+    monkeypatch.setattr(worker_module, "BATCH_INTERVAL_S", 3600.0)  # only ends and idleness send them
+    engine = LLMEngine(config)
+    inbox = [[add("w", PROMPTS[1])]]
+    batches: list[WorkerEvents] = []
+
+    def recv(timeout_s: float | None) -> list:
+        if inbox:
+            return inbox.pop(0)
+        return [Shutdown()] if any(o.finished for b in batches for o in b.outputs) else []
+
+    worker_module.serve_worker(engine, recv, batches.append)
+    with_outputs = [b for b in batches if b.outputs]
+    expected_tokens = GREEDY.max_tokens
+    assert len(with_outputs) == expected_tokens  # one batch a step, each with its token
+    assert all(b.stats is None and not b.steps for b in with_outputs[:-1])  # nothing ended: outputs alone
+    last = with_outputs[-1]
+    assert last.outputs[0].finished and last.stats is not None
+    heard = sum(w.num_new_tokens for b in batches for st in b.steps for w in st.work)
+    assert heard == len(PROMPTS[1]) + expected_tokens - 1  # every step, all in the batch that ended it
+
+
 def test_leaving_early_aborts_and_frees_the_blocks(client) -> None:
     """It asks for the whole context window and must stop far short of it: a request that ran to its end would
     pass the wait for idle blocks alone (the tiny model makes 200 tokens well inside it)."""

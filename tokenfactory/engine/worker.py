@@ -4,8 +4,12 @@
 steps it; a request that cannot be added fails alone. `AsyncEngine` (in process) delivers its results to
 event-loop streams; `serve_worker` is the loop of a replica in another process or a Ray actor
 (fleet/process.py, fleet/ray_replica.py): messages in through `recv`, one `WorkerEvents` batch out through
-`emit` after each step (outputs, failures, the step's `StepStats` for the gateway's meter, a snapshot), and a
-heartbeat batch while idle, so the other side can tell a hung worker from an idle one.
+`emit` after each step that made an output or ended a request, and at least every `BATCH_INTERVAL_S` while busy
+(outputs, failures, the steps' `StepStats` for the gateway's meter, a snapshot), and a heartbeat batch while idle,
+so the other side can tell a hung worker from an idle one. Steps and the snapshot ride along only when due: with
+every batch that ends a request (the meter hears a request's steps before its end), every `BATCH_INTERVAL_S`, and
+when the engine goes idle; each step's snapshot and steps, pickled on the engine's thread and read by the gateway
+for every token, cost a single stream ~0.1 ms of each side's CPU a token (docs/benchmarks.md).
 
 The engine must be built on the thread that calls `serve_worker` (AsyncEngine.launch says why).
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 
 from tokenfactory.engine.client import (
@@ -34,6 +39,7 @@ from tokenfactory.types import ParameterError, RequestOutput, StepStats
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_S = 0.5  # an idle worker's batch interval: the other side's hang detection counts on it
+BATCH_INTERVAL_S = 0.05  # a busy worker's steps and snapshot go out at least this often (AsyncEngine's interval)
 
 
 class EngineWorker:
@@ -119,6 +125,7 @@ def serve_worker(engine: LLMEngine, recv: Callable[[float | None], list[Message]
     sent: set[str] = set()  # requests whose first output went out
     steps: list[StepStats] = []
     engine.step_listeners.append(steps.append)
+    last_full = time.monotonic()  # when steps and a snapshot last went out (WorkerReady carried the first)
     try:
         while True:
             busy = engine.has_unfinished_requests
@@ -145,8 +152,16 @@ def serve_worker(engine: LLMEngine, recv: Callable[[float | None], list[Message]
                     sent.add(out.request_id)
             for failure in failures:
                 sent.discard(failure.request_id)
-            emit(WorkerEvents(tuple(compact), tuple(failures), tuple(steps), engine.stats(), aborted=tuple(aborted)))
-            steps.clear()
+            now = time.monotonic()
+            full = bool(failures or aborted or any(out.finished for out in outputs)) \
+                or not engine.has_unfinished_requests or now - last_full >= BATCH_INTERVAL_S
+            if full:
+                emit(WorkerEvents(tuple(compact), tuple(failures), tuple(steps), engine.stats(),
+                                  aborted=tuple(aborted)))
+                steps.clear()
+                last_full = now
+            elif compact:
+                emit(WorkerEvents(tuple(compact)))
     except Exception as e:  # the engine itself is broken: say so once, then stop
         logger.exception("engine worker crashed")
         emit(WorkerEvents(dead_reason=f"the engine stopped: {type(e).__name__}: {e}"))
