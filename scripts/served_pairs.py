@@ -103,7 +103,12 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
         log = open(Path(tmp) / "serve.log", "w")  # noqa: SIM115 - closed below, after the server
         server = subprocess.Popen(server_cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            wait_healthy(server)
+            try:
+                wait_healthy(server)
+            except RuntimeError:
+                log.flush()
+                print((Path(tmp) / "serve.log").read_text()[-3000:], file=sys.stderr)  # why it did not come up
+                raise
             bench_cmd = [sys.executable, "-m", "tokenfactory.cli", "bench", "serve", "--base-url",
                          f"http://127.0.0.1:{PORT}", "--num-prompts", str(args.num_prompts), "--input-len", "128",
                          "--output-len", "128", "--ignore-eos", "--concurrency", "1", "--warmup", "0",
