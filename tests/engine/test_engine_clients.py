@@ -178,7 +178,7 @@ def test_streamed_deltas_add_up_to_the_final_output_in_order(client, expected) -
 def test_a_worker_sends_steps_and_snapshots_with_ends_not_every_step(config, monkeypatch) -> None:
     """serve_worker's batches (a process or Ray replica's wire): a step's outputs go out at once, but its StepStats
     and a snapshot only with a batch that ends a request (so the gateway's meter still hears every step of a request
-    before its end), every BATCH_INTERVAL_S, or when idle; pickling both every step cost ~0.1 ms a token."""
+    before its end), every BATCH_INTERVAL_S, or when idle (pickled every step, they cost 60 us of the step)."""
     from tokenfactory.engine import worker as worker_module
     from tokenfactory.engine.client import Shutdown, WorkerEvents
 
