@@ -14,7 +14,7 @@ import random
 import statistics
 import time
 
-from tokenfactory.config import EngineConfig
+from tokenfactory.config import EngineConfig, dense_path
 from tokenfactory.engine.engine import LLMEngine
 from tokenfactory.engine.tuning import cpu_identity
 from tokenfactory.types import SamplingParams
@@ -39,7 +39,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="1,8,12,16,24,32", help="batch sizes, comma-separated")
     parser.add_argument("--decode-step", default="auto", choices=["auto", "eager"])
-    parser.add_argument("--quantization-dense", default="prepacked", help="serve's default: prepacked")
+    parser.add_argument("--quantization-dense", default=dense_path("auto"), help="serve's default")
     parser.add_argument("--out", default="results/decode-step-rows.json")
     args = parser.parse_args()
     engine = LLMEngine(EngineConfig(decode_step=args.decode_step, quantization_dense=args.quantization_dense))

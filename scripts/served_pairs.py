@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import shlex
 import statistics
@@ -25,14 +24,11 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-PORT = 8123
 
-
-def serve(mode: str, work_us: float, wait_ms: float, serve_args: list[str]) -> None:
+def serve(mode: str, work_us: float, wait_ms: float, port: int, serve_args: list[str]) -> None:
     """The server, patched: requests counted as the engine thread takes them; even ones get mode B."""
     from tokenfactory.engine import async_engine, output_stream
 
@@ -78,56 +74,36 @@ def serve(mode: str, work_us: float, wait_ms: float, serve_args: list[str]) -> N
         async_engine.AsyncEngine._step = waiting_step  # type: ignore[method-assign]
     from tokenfactory.cli import main
 
-    sys.argv = ["tokenfactory", "serve", "--port", str(PORT), *serve_args]
+    sys.argv = ["tokenfactory", "serve", "--port", str(port), *serve_args]
     main()
 
 
-def wait_healthy(process: subprocess.Popen, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(1)
-    raise RuntimeError("the server did not become healthy")
-
-
 def drive(args: argparse.Namespace) -> dict[str, Any]:
+    from tokenfactory.bench.compare import ServerProcess, free_port
+    from tokenfactory.engine.tuning import cpu_identity
+
+    port = free_port()
     server_cmd = [sys.executable, __file__, "--serve", "--mode", args.mode, "--work-us", str(args.work_us),
-                  "--wait-ms", str(args.wait_ms)]
+                  "--wait-ms", str(args.wait_ms), "--port", str(port)]
     with tempfile.TemporaryDirectory() as tmp:
-        log = open(Path(tmp) / "serve.log", "w")  # noqa: SIM115 - closed below, after the server
-        server = subprocess.Popen(server_cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        server = ServerProcess("tokenfactory", server_cmd, Path(tmp) / "serve.log")
         try:
-            try:
-                wait_healthy(server)
-            except RuntimeError:
-                log.flush()
-                print((Path(tmp) / "serve.log").read_text()[-3000:], file=sys.stderr)  # why it did not come up
-                raise
+            if (why := server.wait_ready(f"http://127.0.0.1:{port}", 300)) is not None:
+                raise RuntimeError(why)
             bench_cmd = [sys.executable, "-m", "tokenfactory.cli", "bench", "serve", "--base-url",
-                         f"http://127.0.0.1:{PORT}", "--num-prompts", str(args.num_prompts), "--input-len", "128",
+                         f"http://127.0.0.1:{port}", "--num-prompts", str(args.num_prompts), "--input-len", "128",
                          "--output-len", "128", "--ignore-eos", "--concurrency", "1", "--warmup", "0",
                          "--no-progress", "--results-dir", tmp, "--save", "pairs"]
             subprocess.run(bench_cmd, check=True, capture_output=True)
             samples = json.loads((Path(tmp) / "pairs.json").read_text())["samples"]
         finally:
-            server.terminate()
-            try:
-                server.wait(30)
-            except subprocess.TimeoutExpired:
-                server.kill()
-            log.close()
+            server.stop()
     samples.sort(key=lambda s: s["start_s"])
     tpot_ms = [1e3 * s["tpot_s"] for s in samples]
     a = tpot_ms[0::2]  # the server's 1st, 3rd, ... request: odd, as it is
     b = tpot_ms[1::2]  # 2nd, 4th, ...: even, changed
     pairs = [y / x for x, y in zip(a, b, strict=False)]  # an odd count leaves one out
-    return {"cpu": cpu_model(), "python": platform.python_version(), "mode": args.mode,
+    return {"cpu": cpu_identity()[0], "python": platform.python_version(), "mode": args.mode,
             "work_us": args.work_us if args.mode == "work" else None,
             "wait_ms": args.wait_ms if args.mode == "wait" else None,
             "server_command": shlex.join(server_cmd), "client_command": shlex.join(["tokenfactory", *bench_cmd[3:]]),
@@ -135,13 +111,6 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
             "median_tpot_ms": {"a_as_is": round(statistics.median(a), 3), "b_changed": round(statistics.median(b), 3)},
             "pairs": len(pairs), "median_b_over_a": round(statistics.median(pairs), 3),
             "pairs_b_faster": sum(p < 1 for p in pairs)}
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def main() -> None:
@@ -152,9 +121,10 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=50)
     p.add_argument("--out", type=Path)
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args, rest = p.parse_known_args()
     if args.serve:
-        serve(args.mode, args.work_us, args.wait_ms, rest)
+        serve(args.mode, args.work_us, args.wait_ms, args.port, rest)
         return
     result = drive(args)
     text = json.dumps(result, indent=1)
@@ -165,5 +135,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     main()

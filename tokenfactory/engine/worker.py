@@ -144,17 +144,18 @@ def serve_worker(engine: LLMEngine, recv: Callable[[float | None], list[Message]
                 outputs, failed = worker.step()
                 failures += failed
             compact = []
+            ended = bool(failures or aborted)
             for out in outputs:
                 compact.append(compact_output(out, out.request_id not in sent))
                 if out.finished:
                     sent.discard(out.request_id)
+                    ended = True
                 else:
                     sent.add(out.request_id)
             for failure in failures:
                 sent.discard(failure.request_id)
             now = time.monotonic()
-            full = bool(failures or aborted or any(out.finished for out in outputs)) \
-                or not engine.has_unfinished_requests or now - last_full >= BATCH_INTERVAL_S
+            full = ended or not engine.has_unfinished_requests or now - last_full >= BATCH_INTERVAL_S
             if full:
                 emit(WorkerEvents(tuple(compact), tuple(failures), tuple(steps), engine.stats(),
                                   aborted=tuple(aborted)))

@@ -6,9 +6,9 @@ thread reads the batches: each output goes to its request's `OutputStream` (one 
 is slow), each step's `StepStats` to the step listeners (the gateway's meter), the snapshot to `stats()`.
 
 A worker that is gone (the process died, the actor was killed, the pipe broke) or silent past
-`hang_timeout_s` (it heartbeats every 0.5 s while idle, and at least every 50 ms while busy) is dead: every open stream
-ends with `EngineDeadError` naming the replica and why, so the fleet can re-route the requests that had no
-output yet and end the others with a clear error, never a hang.
+`hang_timeout_s` (it heartbeats every 0.5 s while idle, and at least every 50 ms while busy) is dead: every
+open stream ends with `EngineDeadError` naming the replica and why, so the fleet can re-route the requests that
+had no output yet and end the others with a clear error, never a hang.
 """
 
 from __future__ import annotations
