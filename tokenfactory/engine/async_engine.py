@@ -13,7 +13,9 @@ the engine's: the engine thread hands the steps' `StepStats` over with the final
 (steps that end nothing at most every `NOTICE_INTERVAL_S`, and whenever it goes idle), and the notifier calls the
 listeners (each guarded: one that raises is logged, the engine goes on) before it delivers them, so a request's
 final output reaches its stream only after the meter has seen its last step.
-Outputs that are not final go straight to their streams: streaming latency does not wait for the meter.
+Outputs that are not final go straight to their streams: streaming latency does not wait for the meter. A
+stream whose reader gave `generate` a `direct` consumer may take them on the engine thread instead, while its
+reader waits (output_stream.py): the event loop is then not woken for them at all.
 
 Back-pressure: a stream holds at most one pending output. When the reader has not taken the last one
 yet, the next is merged into it (the newest whole state, the deltas joined), so a client that reads
@@ -45,7 +47,13 @@ from tokenfactory.engine.client import (
     Shutdown,
 )
 from tokenfactory.engine.engine import LLMEngine
-from tokenfactory.engine.output_stream import OutputStream, RequestAborted, RequestFailed, read_outputs
+from tokenfactory.engine.output_stream import (
+    DirectOutputs,
+    OutputStream,
+    RequestAborted,
+    RequestFailed,
+    read_outputs,
+)
 from tokenfactory.engine.worker import EngineWorker, engine_facts
 from tokenfactory.types import RequestOutput, StepStats
 
@@ -155,10 +163,11 @@ class AsyncEngine(ClientBase):
         waiting = s.num_waiting + self.num_added - self.num_taken  # requests still in the inbox count too
         return dataclasses.replace(s, num_waiting=waiting, alive=self.is_alive, dead_reason=self._dead_reason)
 
-    def generate(self, request: AddRequest) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: AddRequest, direct: DirectOutputs | None = None) -> AsyncIterator[RequestOutput]:
         """Queue a request (at the first iteration) and yield its outputs as steps produce them. Leaving the
-        iterator early (the client went away, the task was cancelled) aborts the request and frees its blocks."""
-        stream = OutputStream()
+        iterator early (the client went away, the task was cancelled) aborts the request and frees its blocks.
+        `direct`: offered non-final outputs on the engine thread while the reader waits (output_stream.py)."""
+        stream = OutputStream(direct)
 
         def start() -> None:
             if not self.is_alive:
@@ -285,7 +294,11 @@ class AsyncEngine(ClientBase):
                 if abort_orphans and isinstance(item, RequestOutput) and not item.finished:
                     self._engine.abort_request(request_id)  # nobody is listening any more
                 continue
-            by_loop.setdefault(target[0], []).append((target[1], item))
+            stream = target[1]
+            if isinstance(item, RequestOutput) and stream.offer(item):
+                continue  # consumed on this thread: the loop is not woken for it
+            stream.posted()
+            by_loop.setdefault(target[0], []).append((stream, item))
         for loop, pairs in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, pairs)
@@ -305,8 +318,9 @@ class AsyncEngine(ClientBase):
         if target is None:
             return False
         loop, stream = target
+        stream.posted()
         try:
-            loop.call_soon_threadsafe(stream.put, item)
+            loop.call_soon_threadsafe(stream.put_posted, item)
         except RuntimeError:  # the event loop is closed
             return False
         return True
@@ -314,4 +328,4 @@ class AsyncEngine(ClientBase):
 
 def _put_all(pairs: list[tuple[OutputStream, _End]]) -> None:
     for stream, item in pairs:
-        stream.put(item)
+        stream.put_posted(item)

@@ -36,6 +36,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 StepListener = Callable[[StepStats], None]
+# `generate`'s direct consumer: called on the client's own thread with a non-final output while the request's
+# reader waits for it; True when it consumed the output (it is not yielded), False to decline (it is yielded).
+DirectOutputs = Callable[[RequestOutput], bool]
 
 # -- messages in --------------------------------------------------------------------------------------------
 
@@ -363,9 +366,11 @@ class EngineClient(Protocol):
 
     def shutdown(self, timeout: float = 10.0) -> None: ...
 
-    def generate(self, request: AddRequest) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: AddRequest, direct: DirectOutputs | None = None) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its outputs; leaving early aborts it. Raises RequestError (this request
-        failed) or EngineDeadError (the engine stopped)."""
+        failed) or EngineDeadError (the engine stopped). `direct`: a consumer the client may offer non-final
+        outputs to on its own thread while the reader waits for them (the in-process engine does; the others
+        ignore it); each one it takes is not yielded."""
         ...
 
     def send(self, message: Control) -> None: ...

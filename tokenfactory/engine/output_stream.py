@@ -7,19 +7,30 @@ whatever its speed, never a queue of copies. A `RequestFailed` is final. A reade
 engine to abort and waits (bounded) for its `RequestAborted`: the engine has dropped the request and every step
 it ran for it has reached the step listeners, so the meter settles an aborted request with all its work too.
 No torch: any EngineClient may use it.
+
+Direct outputs (`OutputStream.direct`, the in-process engine's): while the reader waits with nothing pending and
+nothing on its way through the loop, the engine thread may hand a non-final output to the reader's `direct`
+callable instead, which consumes it there (the HTTP layer writes its chunk to the socket) or declines it (it then
+comes through the loop as usual). On a machine with few cores, waking the event loop for every token and running
+its per-token Python takes the CPU the engine's threads compute on; the direct path takes neither. Order holds:
+an output goes direct only when every earlier one has been read.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
+import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from tokenfactory.engine.client import EngineDeadError, RequestError, RequestFailed
+from tokenfactory.engine.client import DirectOutputs, EngineDeadError, RequestError, RequestFailed
 from tokenfactory.types import RequestOutput
 
-__all__ = ["OutputStream", "RequestAborted", "RequestFailed", "merge_outputs", "read_outputs"]
+__all__ = ["DirectOutputs", "OutputStream", "RequestAborted", "RequestFailed", "merge_outputs", "read_outputs"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -48,10 +59,50 @@ def merge_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
 class OutputStream:
     """One request's outputs, for the event loop: at most one pending item (see the module's docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, direct: DirectOutputs | None = None) -> None:
         self.pending: RequestOutput | RequestFailed | None = None
         self.ready = asyncio.Event()
         self.num_merged = 0
+        self.direct = direct
+        self.num_direct = 0
+        self._lock = threading.Lock()  # the engine thread's `offer` against the reader's waiting and disarming
+        self._in_flight = 0  # items `posted` and not yet `put`: on their way through the event loop
+        self._waiting = False  # the reader waits with nothing pending or in flight
+
+    def posted(self) -> None:
+        """The engine side is sending an item through the event loop (`put_posted` takes it there)."""
+        with self._lock:
+            self._in_flight += 1
+            self._waiting = False
+
+    def put_posted(self, item: RequestOutput | RequestFailed | RequestAborted) -> None:
+        with self._lock:
+            self._in_flight -= 1
+        self.put(item)
+
+    def offer(self, out: RequestOutput) -> bool:
+        """Engine thread: `out` to the reader's `direct` callable, when the reader waits for it with nothing
+        pending or in flight and `out` is not final. False: send it through the loop as usual."""
+        if self.direct is None or not self._waiting or out.finished:
+            return False
+        with self._lock:
+            direct = self.direct
+            if direct is None or not self._waiting or self._in_flight or self.pending is not None:
+                return False
+            try:
+                taken = direct(out)
+            except Exception:  # the direct path is an optimisation: its failure sends the rest the usual way
+                logger.exception("a direct output consumer failed; the request's outputs go through the loop")
+                self.direct = None
+                return False
+        self.num_direct += taken
+        return taken
+
+    def disarm(self) -> None:
+        """No more direct outputs; one being consumed finishes first."""
+        with self._lock:
+            self.direct = None
+            self._waiting = False
 
     def put(self, item: RequestOutput | RequestFailed | RequestAborted) -> None:
         if isinstance(self.pending, RequestOutput) and isinstance(item, RequestOutput):
@@ -63,7 +114,13 @@ class OutputStream:
         self.ready.set()
 
     async def get(self) -> RequestOutput | RequestFailed | RequestAborted:
-        await self.ready.wait()
+        if self.pending is None and self.direct is not None:
+            with self._lock:
+                self._waiting = self.pending is None and not self._in_flight
+        try:
+            await self.ready.wait()
+        finally:
+            self._waiting = False
         item, self.pending = self.pending, None
         self.ready.clear()
         assert item is not None
@@ -110,6 +167,7 @@ def read_outputs(stream: OutputStream, start: Callable[[], None], close: Callabl
                 if finished:
                     return
         finally:
+            stream.disarm()
             try:
                 if not finished and abort():
                     await stream.wait_aborted(ABORT_WAIT_S)

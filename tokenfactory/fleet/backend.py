@@ -40,6 +40,7 @@ from tokenfactory.engine.client import (
     AddRequest,
     ClientBase,
     Control,
+    DirectOutputs,
     EngineDeadError,
     EngineFacts,
     EngineStats,
@@ -224,7 +225,9 @@ class HTTPBackend(ClientBase):
                            last_step_tokens=0, max_num_seqs=256, max_num_batched_tokens=8192,
                            alive=self.is_alive, dead_reason=self._dead_reason)
 
-    def generate(self, request: AddRequest) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: AddRequest,
+                 direct: DirectOutputs | None = None) -> AsyncIterator[RequestOutput]:
+        # `direct` (EngineClient.generate): not taken: outputs are read on the loop.
         return self._generate(request)
 
     async def _generate(self, request: AddRequest) -> AsyncIterator[RequestOutput]:

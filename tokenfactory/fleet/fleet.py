@@ -34,6 +34,7 @@ from tokenfactory.engine.client import (
     ChargeEnergy,
     ClientBase,
     Control,
+    DirectOutputs,
     DrainReplica,
     EngineClient,
     EngineDeadError,
@@ -200,7 +201,9 @@ class Fleet(ClientBase):
                            last_step_s=max(steps) if steps else None,
                            speculative=None, alive=self.is_alive, dead_reason=self.dead_reason, **total)
 
-    def generate(self, request: AddRequest) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: AddRequest,
+                 direct: DirectOutputs | None = None) -> AsyncIterator[RequestOutput]:
+        # `direct` (EngineClient.generate): not taken: a replica's outputs come through the loop.
         return self._generate(request)
 
     async def _generate(self, request: AddRequest) -> AsyncIterator[RequestOutput]:

@@ -27,6 +27,7 @@ from tokenfactory.engine.client import (
     AddRequest,
     ClientBase,
     Control,
+    DirectOutputs,
     DrainReplica,
     EngineStats,
     Message,
@@ -145,7 +146,9 @@ class RemoteEngine(ClientBase):
         return dataclasses.replace(s, num_waiting=s.num_waiting + self._num_in_flight_adds, alive=self.is_alive,
                                    dead_reason=self._dead_reason)
 
-    def generate(self, request: AddRequest) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: AddRequest,
+                 direct: DirectOutputs | None = None) -> AsyncIterator[RequestOutput]:
+        # `direct` (EngineClient.generate): not taken: outputs come from the receiver thread through the loop.
         stream = OutputStream()
 
         def start() -> None:
