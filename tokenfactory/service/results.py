@@ -152,15 +152,36 @@ class StreamFailed:
 StreamEvent = StreamStart | ChoiceDelta | StreamEnd | StreamFailed
 
 
+class DirectDeltas:
+    """Where a stream's plain deltas may go without the event loop: `consumer` (set by whoever writes the stream
+    out) is called on the engine's thread with a `ChoiceDelta` while the stream's reader waits for it, and says
+    whether it took it (False: the delta comes through the stream's events instead)."""
+
+    def __init__(self) -> None:
+        self.consumer: Callable[[ChoiceDelta], bool] | None = None
+
+
 class CompletionStream:
     """A streamed completion: iterate its events once; `aclose()` (always call it) ends it — aborting the
     engine requests that have not finished and settling the request as aborted if it did not finish."""
 
     def __init__(self, kind: Kind, request_id: str, model: str, created: int, events: AsyncIterator[StreamEvent],
-                 on_close: Callable[[], Awaitable[None]], prompt: PromptRendering = NO_PROMPT_LOGPROBS) -> None:
+                 on_close: Callable[[], Awaitable[None]], prompt: PromptRendering = NO_PROMPT_LOGPROBS,
+                 direct: DirectDeltas | None = None) -> None:
         self.kind, self.request_id, self.model, self.created = kind, request_id, model, created
         self._events, self._on_close = events, on_close
         self.prompt = prompt
+        self._direct = direct
+
+    def send_directly(self, consumer: Callable[[ChoiceDelta], bool]) -> bool:
+        """Offer this stream's plain deltas (those of one choice, not its first or last, no tool calls held back)
+        to `consumer` on the engine's thread, before iterating: what it takes is not among the events. False
+        when this stream cannot (several prompts or choices, or tool calls parsed out of its text). An engine
+        client that offers no outputs (all but the in-process engine) never calls it."""
+        if self._direct is None:
+            return False
+        self._direct.consumer = consumer
+        return True
 
     def __aiter__(self) -> AsyncIterator[StreamEvent]:
         return self._events

@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from tokenfactory.engine.client import AddRequest, EngineClient, EngineDeadError, RequestError
+from tokenfactory.engine.client import AddRequest, DirectOutputs, EngineClient, EngineDeadError, RequestError
 from tokenfactory.engine.grammar import validate_grammar
 from tokenfactory.meter.ledger import UsageTotals
 from tokenfactory.models.tokenizer import Tokenizer
@@ -58,6 +58,7 @@ from tokenfactory.service.results import (
     CompletionResult,
     CompletionStream,
     CompressionUsage,
+    DirectDeltas,
     EmbeddingResult,
     Kind,
     PromptLogprobs,
@@ -79,7 +80,8 @@ USAGE_GROUPS = (None, "day", "tenant", "model", "replica")
 
 class RequestObserver(Protocol):
     """Sees every engine output of every request (the gateway's latency histograms): called on the event
-    loop, so it must be cheap and must not raise."""
+    loop, and for a plain stream's direct outputs on the engine's thread (one request's calls never at once, and
+    `on_end` after its last), so it must be cheap, must not raise, and must not assume the loop's thread."""
 
     def on_output(self, model: str, out: RequestOutput) -> None: ...
 
@@ -401,22 +403,48 @@ class RequestService:
                 compression: CompressionUsage | None, tools: ToolPlan | None = None,
                 constrained: bool = False, prompt: PromptRendering = NO_PROMPT_LOGPROBS) -> CompletionStream:
         latest: dict[int, RequestOutput] = {}
-        events = self._events(served, adds, settlement, latest, echo, compression, tools, constrained)
+        plain = len(adds) == 1 and adds[0].params.n == 1 and (tools is None or not tools.parse)
+        direct = DirectDeltas() if plain else None
+        events = self._events(served, adds, settlement, latest, echo, compression, tools, constrained, direct)
 
         async def on_close() -> None:  # the stream's own settlement, or this one if it never finished
             await settlement.settle([latest.get(i) for i in range(len(adds))], "aborted")
 
-        return CompletionStream(kind, request_id, served.name, created, events, on_close, prompt)
+        return CompletionStream(kind, request_id, served.name, created, events, on_close, prompt, direct)
+
+    def _direct_outputs(self, served: Served, direct: DirectDeltas, latest: dict[int, RequestOutput],
+                        sent_finish: set[int]) -> DirectOutputs:
+        """One plain stream's outputs, on the engine's thread while its reader waits: each becomes its delta for
+        `direct`'s consumer, and is recorded (the observer, the latest output settlement bills) only once taken.
+        The first output (it leaves the queue, may carry prompt logprobs) and the last come through the loop."""
+        def offer(out: RequestOutput) -> bool:
+            consumer = direct.consumer
+            if consumer is None or 0 not in latest:
+                return False
+            deltas = choice_deltas(0, out, sent_finish)
+            if deltas and not consumer(deltas[0]):
+                return False
+            self.observer.on_output(served.name, out)
+            latest[0] = out
+            return True
+
+        return offer
 
     async def _events(self, served: Served, adds: list[AddRequest], settlement: Settlement,
                       latest: dict[int, RequestOutput], echo: bool, compression: CompressionUsage | None,
-                      tools: ToolPlan | None = None, constrained: bool = False) -> AsyncIterator[StreamEvent]:
+                      tools: ToolPlan | None = None, constrained: bool = False,
+                      direct: DirectDeltas | None = None) -> AsyncIterator[StreamEvent]:
         """Every prompt's engine stream read directly (each holds at most one pending output), never through a
-        queue of its own. Closing it aborts whatever has not finished."""
-        gens = [served.engine.generate(a) for a in adds]
+        queue of its own; a plain stream's deltas may also go to `direct`'s consumer from the engine's thread.
+        Closing it aborts whatever has not finished."""
+        sent_finish: dict[int, set[int]] = {}  # per prompt, the choices whose finish was sent
+        if direct is not None:
+            gens = [served.engine.generate(adds[0], self._direct_outputs(served, direct, latest,
+                                                                         sent_finish.setdefault(0, set())))]
+        else:
+            gens = [served.engine.generate(a) for a in adds]
         merged = _merged(gens)
         finals: dict[int, RequestOutput] = {}
-        sent_finish: dict[int, set[int]] = {}  # per prompt, the choices whose finish was sent
         calls = ToolDeltas(tools) if tools is not None and tools.parse else None
         sent_prompt: set[int] = set()  # prompts whose prompt logprobs went out (with their first output)
         tokenizer = served.engine.tokenizer
