@@ -49,6 +49,7 @@ class ServerSettings:
     max_body_bytes: int = 4 << 20
     retry_after_s: int = 2
     stream_send_timeout_s: float = 30.0  # a streaming client that takes no data this long is dropped
+    direct_stream_writes: bool = True  # plain streams' chunks from the engine's thread (direct.py)
     baseline: tuple[str, float] | None = None  # (bench run, its J/output token): /metrics for the regression alert
 
 
@@ -107,7 +108,7 @@ def build_app(engine: EngineClient, settings: ServerSettings, accounting: Accoun
     # /fleet/replicas and per-replica /metrics (fleet_routes.py), over each client's replica states
     install_fleet_routes(app, served_clients, metrics.registry, tenancy)
     app.state.dashboard = dashboard.install(app, engine, metrics, accounting, tenancy, auth)  # /dashboard
-    install_openai_routes(app, service, settings.stream_send_timeout_s)
+    install_openai_routes(app, service, settings.stream_send_timeout_s, settings.direct_stream_writes)
 
     @app.get("/health")
     async def health() -> JSONResponse:

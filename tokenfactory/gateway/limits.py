@@ -30,6 +30,8 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from tokenfactory.gateway.direct import TRANSPORT_KEY
+
 logger = logging.getLogger("tokenfactory.limits")
 
 Scope = MutableMapping[str, Any]
@@ -123,6 +125,8 @@ class LimitedH11Protocol(H11Protocol):
         if sock is not None:  # bounded kernel memory for a client that stops reading
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.settings.send_buffer_bytes)
         super().connection_made(transport)
+        # Each request's scope["state"] is a copy of this: its stream may write chunks directly (direct.py).
+        self.app_state = {**self.app_state, TRANSPORT_KEY: transport}
         self._track_deadline()  # a connection that never sends a byte is a head that never ends
 
     def data_received(self, data: bytes) -> None:

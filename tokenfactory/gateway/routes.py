@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenfactory.gateway.auth import principal_of
+from tokenfactory.gateway.direct import DirectWriter
 from tokenfactory.gateway.render import embedding_body, result_body, stream_chunks
 from tokenfactory.gateway.streaming import EventStream, sse
 from tokenfactory.service.call import Call
@@ -57,15 +58,18 @@ async def until_disconnect(request: Request, call: Call, work: Awaitable[T]) -> 
             task.cancel()
 
 
-def answer(result: CompletionResult | CompletionStream, include_usage: bool, send_timeout_s: float) -> Response:
+def answer(result: CompletionResult | CompletionStream, include_usage: bool, send_timeout_s: float,
+           direct_writes: bool = True) -> Response:
     if isinstance(result, CompletionResult):
         return JSONResponse(result_body(result))
-    return sse_response(result, include_usage, send_timeout_s)
+    return sse_response(result, include_usage, send_timeout_s, direct_writes)
 
 
-def sse_response(stream: CompletionStream, include_usage: bool, send_timeout_s: float) -> EventStream:
+def sse_response(stream: CompletionStream, include_usage: bool, send_timeout_s: float,
+                 direct_writes: bool = True) -> EventStream:
     """The stream's events as OpenAI's chunks; the usage chunk only with stream_options.include_usage, then
-    `data: [DONE]` (an error event ends the stream without it). Closing the response closes the stream."""
+    `data: [DONE]` (an error event ends the stream without it). Closing the response closes the stream.
+    `direct_writes`: a plain delta's chunk may be written from the engine's thread (direct.py), the same bytes."""
     async def body() -> AsyncIterator[str]:
         async for event in stream:
             if isinstance(event, StreamFailed):
@@ -80,14 +84,18 @@ def sse_response(stream: CompletionStream, include_usage: bool, send_timeout_s: 
     async def on_close(how: str) -> None:
         await stream.aclose()
 
-    return EventStream(body(), on_close, send_timeout_s)
+    def direct(writer: DirectWriter) -> None:  # a plain delta's chunk, the same bytes as body() would send
+        stream.send_directly(lambda delta: writer.write(sse(stream_chunks(stream, delta)[0], include_usage).encode()))
+
+    return EventStream(body(), on_close, send_timeout_s, direct if direct_writes else None)
 
 
 def include_usage(body: CompletionRequest | ChatCompletionRequest) -> bool:
     return bool(body.stream_options and body.stream_options.include_usage)
 
 
-def install_openai_routes(app: FastAPI, service: RequestService, send_timeout_s: float) -> None:
+def install_openai_routes(app: FastAPI, service: RequestService, send_timeout_s: float,
+                          direct_writes: bool = True) -> None:
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [{
@@ -107,13 +115,13 @@ def install_openai_routes(app: FastAPI, service: RequestService, send_timeout_s:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         call = call_of(request)
         result = await until_disconnect(request, call, service.completions(call, body))
-        return answer(result, include_usage(body), send_timeout_s)
+        return answer(result, include_usage(body), send_timeout_s, direct_writes)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         call = call_of(request)
         result = await until_disconnect(request, call, service.chat(call, body))
-        return answer(result, include_usage(body), send_timeout_s)
+        return answer(result, include_usage(body), send_timeout_s, direct_writes)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:

@@ -11,6 +11,9 @@ two gaps for us):
 - The body generator is always closed and `on_close` always awaited, whether the body ran to its end,
   failed, was cut by a disconnect, or never started (the client left before the first byte): settlement
   has one place to happen.
+
+A response given `direct` hands it the connection's `DirectWriter` (direct.py) before the body starts, where
+the connection allows one: chunks may then also be written from the engine's thread between the loop's sends.
 """
 
 from __future__ import annotations
@@ -23,22 +26,30 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from tokenfactory.gateway.direct import DirectWriter
+
 logger = logging.getLogger(__name__)
 
 
 class EventStream(StreamingResponse):
 
     def __init__(self, body: AsyncIterator[str], on_close: Callable[[str], Awaitable[None]],
-                 send_timeout_s: float) -> None:
-        """`on_close(how)` with how in {"finished", "disconnected", "slow_reader", "failed"}."""
+                 send_timeout_s: float, direct: Callable[[DirectWriter], None] | None = None) -> None:
+        """`on_close(how)` with how in {"finished", "disconnected", "slow_reader", "failed"}; `direct(writer)`
+        before the body starts, where the connection can take direct writes."""
         super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self.on_close, self.send_timeout_s = on_close, send_timeout_s
+        self.direct = direct
+        self.writer: DirectWriter | None = None
         self._sending_since: float | None = None  # the loop's time the pending send began; None between sends
         self._dropped = False  # the deadline's timer cancelled the stream
         self._timer: asyncio.TimerHandle | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         loop = asyncio.get_running_loop()
+        if self.direct is not None and (writer := DirectWriter.attach(scope)) is not None:
+            self.writer = writer
+            self.direct(writer)
         streaming = asyncio.ensure_future(self._stream(send, loop))
         listening = asyncio.ensure_future(self._wait_for_disconnect(receive))
         self._timer = loop.call_later(self.send_timeout_s, self._check_deadline, loop, streaming)
@@ -53,6 +64,8 @@ class EventStream(StreamingResponse):
             else:
                 how = "slow_reader" if self._dropped else "disconnected"
         finally:
+            if self.writer is not None:
+                self.writer.close()
             if self._timer is not None:
                 self._timer.cancel()
             for task in (streaming, listening):
@@ -66,12 +79,19 @@ class EventStream(StreamingResponse):
                                       "headers": self.raw_headers})
         async for chunk in self.body_iterator:
             await self._send(send, loop, {"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+        if self.writer is not None:
+            self.writer.close()  # before the end: a connection uvicorn closes then is not held open by its copy
         await self._send(send, loop, {"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _send(self, send: Send, loop: asyncio.AbstractEventLoop, message: dict) -> None:
+        writer = self.writer
+        if writer is not None:
+            writer.loop_sending()
         self._sending_since = loop.time()  # no await between this and the send: only a send can be timed out
         await send(message)
         self._sending_since = None
+        if writer is not None:
+            writer.loop_sent()
 
     def _check_deadline(self, loop: asyncio.AbstractEventLoop, streaming: asyncio.Future) -> None:
         """The send deadline's one timer (a deadline per chunk, asyncio.timeout's, cost the event loop a timer

@@ -38,6 +38,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--stream-send-timeout", type=float, default=30.0,
                    help="seconds a streaming client may take no data before it is dropped and its request "
                         "aborted (and billed for what was made)")
+    p.add_argument("--direct-stream-writes", action=argparse.BooleanOptionalAction, default=True,
+                   help="write a plain stream's token chunks from the engine's thread straight to the socket, "
+                        "without waking the event loop for each (docs/server.md, \"Direct stream writes\")")
     p.add_argument("--data-dir", default=None, help="where the ledger lives (default: a per-user directory)")
     p.add_argument("--database-url", default=None, help="a SQLAlchemy URL instead of SQLite in --data-dir")
     p.add_argument("--power-source", default="auto",
@@ -114,7 +117,8 @@ def serve(args: argparse.Namespace) -> int:
 
     settings = ServerSettings(served_model_name=name, max_waiting=args.max_waiting,
                               max_body_bytes=int(args.max_body_bytes),
-                              stream_send_timeout_s=args.stream_send_timeout, baseline=baseline)
+                              stream_send_timeout_s=args.stream_send_timeout,
+                              direct_stream_writes=args.direct_stream_writes, baseline=baseline)
     tenancy, auth_line = build_tenancy(args, client, accounting)
     app = wire_app(client, settings, accounting, tenancy, on_shutdown=shutdown, models=started.extra_models,
                    allowed_hosts=tuple(args.allowed_host), batch=batch_settings_from_args(args),
