@@ -2,8 +2,9 @@
 
 `FakeEngineClient` behaves like `AsyncEngine` over an `LLMEngine` as far as anything behind the client
 door can tell: its own thread steps the requests, takes typed messages from an inbox, hands each
-`RequestOutput` to the request's stream with `call_soon_threadsafe` (one pending output, merged for a
-slow reader), publishes immutable `EngineStats` snapshots, and calls step listeners
+`RequestOutput` to its direct consumer while the reader waits, or else to the request's stream with
+`call_soon_threadsafe` (one pending output, merged for a slow reader), publishes immutable `EngineStats`
+snapshots, and calls step listeners
 (`subscribe_steps`: the meter's `on_step`) with a `StepStats` per step, before the step's outputs (on its
 one thread: a fake). Its outputs follow `LLMEngine._make_output`: every one of the
 request's `n` completions in each output, text and token deltas since the previous output, a partial
@@ -43,6 +44,7 @@ from tokenfactory.engine.client import (
     ChargeEnergy,
     ClientBase,
     Control,
+    DirectOutputs,
     DrainReplica,
     EngineDeadError,
     EngineFacts,
@@ -270,10 +272,12 @@ class FakeEngineClient(ClientBase):
         waiting = s.num_waiting + self.num_added - self.num_taken
         return dataclasses.replace(s, num_waiting=waiting, alive=self.is_alive, dead_reason=self._dead_reason)
 
-    def generate(self, request: AddRequest) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: AddRequest,
+                 direct: DirectOutputs | None = None) -> AsyncIterator[RequestOutput]:
         """Queue a request (at the first iteration) and yield its outputs as steps produce them. Leaving the
-        iterator early (the client went away, the task was cancelled) aborts the request and frees its blocks."""
-        stream = OutputStream()
+        iterator early (the client went away, the task was cancelled) aborts the request and frees its blocks.
+        `direct`: offered non-final outputs on the stepping thread, as AsyncEngine offers them."""
+        stream = OutputStream(direct)
 
         def start() -> None:
             if not self.is_alive:
@@ -557,7 +561,10 @@ class FakeEngineClient(ClientBase):
                 self._abort(request_id)  # nobody is listening any more
             return
         loop, stream = target
+        if isinstance(item, RequestOutput) and stream.offer(item):
+            return
+        stream.posted()
         try:
-            loop.call_soon_threadsafe(stream.put, item)
+            loop.call_soon_threadsafe(stream.put_posted, item)
         except RuntimeError:  # the event loop is closed
             self._abort(request_id)

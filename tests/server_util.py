@@ -139,11 +139,12 @@ class Gateway:
 
 def start_gateway(engine: Any, data_dir: Path, *, auth: bool = False, max_waiting: int = 64,  # noqa: ANN401
                   max_body_bytes: int = 200_000, model_name: str = "fake-tiny", watts: float = 100.0,
-                  timeout: float = 20, batch: Any = None) -> Gateway:  # noqa: ANN401 - BatchSettings
+                  timeout: float = 20, batch: Any = None, limits: Any = None,  # noqa: ANN401 - BatchSettings
+                  stream_send_timeout_s: float = 30.0, direct_stream_writes: bool = True) -> Gateway:
     """Wire the gateway as `tokenfactory serve` does (serve/wiring.py wire_app): a Meter on a constant power source
     hearing the engine's steps, a SQLite ledger in `data_dir`, Admission (and with `auth`, a TenantStore
-    on the ledger's database), limits.wrap_app, the Batch API (with `batch`'s settings); start `engine` and
-    serve on a free loopback port."""
+    on the ledger's database), limits.wrap_app (`limits`: a LimitSettings, default its defaults), the Batch API
+    (with `batch`'s settings); start `engine` and serve on a free loopback port."""
     import uvicorn
 
     from tokenfactory.engine.client import SetTenantWeight
@@ -172,10 +173,11 @@ def start_gateway(engine: Any, data_dir: Path, *, auth: bool = False, max_waitin
         meter.close()
         accounting.close()
 
-    settings = ServerSettings(served_model_name=model_name, max_waiting=max_waiting, max_body_bytes=max_body_bytes)
+    settings = ServerSettings(served_model_name=model_name, max_waiting=max_waiting, max_body_bytes=max_body_bytes,
+                              stream_send_timeout_s=stream_send_timeout_s, direct_stream_writes=direct_stream_writes)
     app = wire_app(engine, settings, accounting, tenancy, on_shutdown=shutdown, batch=batch)
     engine.start()
-    limits, port = LimitSettings(), free_port()
+    limits, port = limits or LimitSettings(), free_port()
     config = uvicorn.Config(wrap_app(app, limits), host="127.0.0.1", port=port, log_level="warning",
                             timeout_graceful_shutdown=5, **limits.uvicorn_kwargs())
     server = uvicorn.Server(config)
