@@ -10,6 +10,7 @@ Modes (B is the changed behaviour, on the server's even-numbered requests; A is 
   `OutputStream.put`): how much TPOT a microsecond of serving work costs.
 - `wait`: after each step the engine thread waits (at most `--wait-ms`) until the event loop has run that step's
   outputs (two loop iterations), so the loop's work falls between steps rather than over the next one.
+- `loop`: no direct writes (gateway/direct.py): every token's chunk goes through the event loop, as before them.
 """
 
 from __future__ import annotations
@@ -46,7 +47,18 @@ def serve(mode: str, work_us: float, wait_ms: float, port: int, serve_args: list
         return keep_going
 
     async_engine.AsyncEngine._drain_inbox = counting_drain  # type: ignore[method-assign]
-    if mode == "work":
+    if mode == "loop":
+        from tokenfactory.service.results import CompletionStream
+
+        send_directly = CompletionStream.send_directly
+        streams = {"n": 0}
+
+        def alternate(self: CompletionStream, consumer: Any) -> bool:
+            streams["n"] += 1  # one call per streamed request, as it is answered (one client): even ones are B
+            return False if streams["n"] % 2 == 0 else send_directly(self, consumer)
+
+        CompletionStream.send_directly = alternate  # type: ignore[method-assign]
+    elif mode == "work":
         put = output_stream.OutputStream.put
 
         def busy_put(self: output_stream.OutputStream, item: Any) -> None:
@@ -115,7 +127,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=["work", "wait"], default="work")
+    p.add_argument("--mode", choices=["work", "wait", "loop"], default="work")
     p.add_argument("--work-us", type=float, default=150.0)
     p.add_argument("--wait-ms", type=float, default=2.0)
     p.add_argument("--num-prompts", type=int, default=50)
