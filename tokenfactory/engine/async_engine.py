@@ -39,6 +39,7 @@ from tokenfactory.engine.client import (
     AddRequest,
     ClientBase,
     Control,
+    DirectOutputs,
     DrainReplica,
     EngineDeadError,
     EngineStats,
@@ -47,13 +48,7 @@ from tokenfactory.engine.client import (
     Shutdown,
 )
 from tokenfactory.engine.engine import LLMEngine
-from tokenfactory.engine.output_stream import (
-    DirectOutputs,
-    OutputStream,
-    RequestAborted,
-    RequestFailed,
-    read_outputs,
-)
+from tokenfactory.engine.output_stream import OutputStream, RequestAborted, RequestFailed, read_outputs
 from tokenfactory.engine.worker import EngineWorker, engine_facts
 from tokenfactory.types import RequestOutput, StepStats
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from tokenfactory.engine.client import DirectOutputs, EngineDeadError, RequestError, RequestFailed
 from tokenfactory.types import RequestOutput
 
-__all__ = ["DirectOutputs", "OutputStream", "RequestAborted", "RequestFailed", "merge_outputs", "read_outputs"]
+__all__ = ["OutputStream", "RequestAborted", "RequestFailed", "merge_outputs", "read_outputs"]
 
 logger = logging.getLogger(__name__)
 
