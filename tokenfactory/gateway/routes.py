@@ -84,8 +84,9 @@ def sse_response(stream: CompletionStream, include_usage: bool, send_timeout_s: 
     async def on_close(how: str) -> None:
         await stream.aclose()
 
-    def direct(writer: DirectWriter) -> None:  # a plain delta's chunk, the same bytes as body() would send
-        stream.send_directly(lambda delta: writer.write(sse(stream_chunks(stream, delta)[0], include_usage).encode()))
+    def direct(writer: DirectWriter) -> bool:  # a plain delta's chunk, the same bytes as body() would send
+        return stream.send_directly(lambda delta: writer.write(sse(stream_chunks(stream, delta)[0],
+                                                                   include_usage).encode()))
 
     return EventStream(body(), on_close, send_timeout_s, direct if direct_writes else None)
 

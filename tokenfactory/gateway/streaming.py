@@ -34,9 +34,9 @@ logger = logging.getLogger(__name__)
 class EventStream(StreamingResponse):
 
     def __init__(self, body: AsyncIterator[str], on_close: Callable[[str], Awaitable[None]],
-                 send_timeout_s: float, direct: Callable[[DirectWriter], None] | None = None) -> None:
+                 send_timeout_s: float, direct: Callable[[DirectWriter], bool] | None = None) -> None:
         """`on_close(how)` with how in {"finished", "disconnected", "slow_reader", "failed"}; `direct(writer)`
-        before the body starts, where the connection can take direct writes."""
+        before the body starts, where the connection can take direct writes (False: the body will not use it)."""
         super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self.on_close, self.send_timeout_s = on_close, send_timeout_s
         self.direct = direct
@@ -48,8 +48,10 @@ class EventStream(StreamingResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         loop = asyncio.get_running_loop()
         if self.direct is not None and (writer := DirectWriter.attach(scope)) is not None:
-            self.writer = writer
-            self.direct(writer)
+            if self.direct(writer):
+                self.writer = writer
+            else:
+                writer.close()
         streaming = asyncio.ensure_future(self._stream(send, loop))
         listening = asyncio.ensure_future(self._wait_for_disconnect(receive))
         self._timer = loop.call_later(self.send_timeout_s, self._check_deadline, loop, streaming)
