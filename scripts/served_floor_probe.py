@@ -25,6 +25,8 @@ from pathlib import Path
 
 import orjson
 
+from tokenfactory.gateway.direct import frame  # h11's chunk framing, as the server writes it
+
 PROMPT_TOKENS, OUTPUT_TOKENS = 128, 128
 
 
@@ -80,8 +82,7 @@ def read_request(conn: socket.socket) -> None:
 
 
 def chunk(event: dict) -> bytes:
-    data = b"data: " + orjson.dumps(event) + b"\n\n"
-    return b"%x\r\n%b\r\n" % (len(data), data)
+    return frame(b"data: " + orjson.dumps(event) + b"\n\n")
 
 
 def main() -> None:
@@ -127,7 +128,7 @@ def main() -> None:
                                         "choices": [{"index": 0, "text": c.text_delta, "logprobs": None,
                                                      "finish_reason": c.finish_reason}]}))
             conn.sendall(chunk({"id": rid, "choices": [], "usage": {"completion_tokens": count}})
-                         + b"%x\r\ndata: [DONE]\n\n\r\n0\r\n\r\n" % len(b"data: [DONE]\n\n"))
+                         + frame(b"data: [DONE]\n\n") + b"0\r\n\r\n")
     floor = json.loads(reader.communicate()[0])
     report = {"cpu": cpu_identity()[0], "python": platform.python_version(), "rounds": args.rounds,
               "reader": args.reader,

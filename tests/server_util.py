@@ -3,6 +3,7 @@ this process (`start_gateway`) over any engine client, such as tests/fake_engine
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -11,11 +12,33 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+
+def until(cond: Callable[[], bool], timeout_s: float = 20.0, what: str = "the condition") -> None:
+    """Poll `cond` until it holds; fail naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def raw_request(port: int, body: dict, rcvbuf: int | None = None) -> socket.socket:
+    """POST `body` to /v1/completions on a raw socket (`rcvbuf`: a small receive window, set before connecting);
+    the caller reads the response, or does not."""
+    s = socket.socket()
+    if rcvbuf is not None:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)  # before connect: a small window
+    s.connect(("127.0.0.1", port))
+    data = json.dumps(body).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+              b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+    return s
 
 
 def free_port() -> int:

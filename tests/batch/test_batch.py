@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import io
 import json
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import openai
 import pytest
 
 from tests.fake_engine import SCRIPTS, FakeEngineClient
-from tests.server_util import Gateway, start_gateway
+from tests.server_util import Gateway, start_gateway, until
 from tokenfactory.batch.runner import BatchSettings
 from tokenfactory.batch.store import BatchStore, PendingLine, RejectedLine, line_request_id
 from tokenfactory.engine.client import AddRequest
@@ -24,13 +22,6 @@ from tokenfactory.tenants.store import Budget, Tenant
 from tokenfactory.types import BANDS
 
 MODEL = "fake-tiny"
-
-
-def until(cond: Callable[[], bool], timeout_s: float = 20.0, what: str = "the condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def mixed_lines(n: int) -> tuple[bytes, dict[str, str]]:

@@ -11,13 +11,12 @@ import json
 import re
 import socket
 import threading
-import time
 
 import h11
 import pytest
 
 from tests.fake_engine import FakeEngineClient
-from tests.server_util import Gateway, start_gateway, start_server
+from tests.server_util import Gateway, raw_request, start_gateway, start_server, until
 from tokenfactory.engine.output_stream import OutputStream
 from tokenfactory.gateway.direct import DirectWriter
 from tokenfactory.gateway.limits import LimitSettings
@@ -29,13 +28,6 @@ MODEL = "fake-tiny"
 def output(token: int, finished: bool = False) -> RequestOutput:
     reason = FinishReason.LENGTH if finished else None
     return RequestOutput("r", None, [1], [CompletionOutput(0, token_ids_delta=[token], finish_reason=reason)])
-
-
-def until(condition, timeout_s: float = 20.0, what: str = "") -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 # -- the order rule -------------------------------------------------------------------------------------------
@@ -215,21 +207,10 @@ def test_streams_that_are_not_plain_never_go_direct(gw, direct_writes) -> None:
     assert direct_writes == [0, 0]
 
 
-def raw_stream(port: int, body: dict, rcvbuf: int | None = None) -> socket.socket:
-    sock = socket.socket()
-    if rcvbuf is not None:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)  # before connect: a small window
-    sock.connect(("127.0.0.1", port))
-    data = json.dumps(body).encode()
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
-    return sock
-
-
 def test_a_direct_stream_whose_reader_leaves_is_aborted_and_billed(gw, direct_writes) -> None:
     engine = gw.engine
     num_aborted = engine.num_aborted
-    sock = raw_stream(gw.port, {"model": MODEL, "prompt": "hi", "max_tokens": 200, "ignore_eos": True,
+    sock = raw_request(gw.port, {"model": MODEL, "prompt": "hi", "max_tokens": 200, "ignore_eos": True,
                                 "stream": True})
     sock.settimeout(30)
     received = b""
@@ -254,7 +235,7 @@ def test_a_direct_stream_whose_reader_stops_reading_is_dropped_and_billed(tmp_pa
     engine = FakeEngineClient(step_s=0.0005, max_model_len=32_768, num_kv_blocks=2_100)
     g = start_gateway(engine, tmp_path, limits=LimitSettings(send_buffer_bytes=4096), stream_send_timeout_s=1.0)
     try:
-        sock = raw_stream(g.port, {"model": MODEL, "prompt": "hi", "max_tokens": 30_000, "ignore_eos": True,
+        sock = raw_request(g.port, {"model": MODEL, "prompt": "hi", "max_tokens": 30_000, "ignore_eos": True,
                                    "stream": True}, rcvbuf=4096)  # reads nothing from here on
         until(lambda: bool(g.ledger_rows()), timeout_s=30, what="the stalled stream dropped")
         [row] = g.ledger_rows()

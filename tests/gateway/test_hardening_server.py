@@ -5,9 +5,7 @@ SIGTERM still get their ledger rows; a request is settled once, however its call
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
-import socket
 import sqlite3
 import threading
 import time
@@ -16,7 +14,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from tests.server_util import start_server
+from tests.server_util import raw_request, start_server
 from tokenfactory.meter.attribution import RequestEnergy
 from tokenfactory.service.accounting import Settled
 from tokenfactory.service.settlement import Settlement
@@ -34,17 +32,6 @@ def rss_bytes(pid: int) -> int:
 def ledger_rows(data_dir) -> list[tuple[str, str, int]]:
     with sqlite3.connect(data_dir / "ledger.db") as db:
         return db.execute("select request_id, status, completion_tokens from requests").fetchall()
-
-
-def raw_request(port: int, body: dict, rcvbuf: int | None = None) -> socket.socket:
-    s = socket.socket()
-    if rcvbuf is not None:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)  # before connect: a small window
-    s.connect(("127.0.0.1", port))
-    data = json.dumps(body).encode()
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-              b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
-    return s
 
 
 @pytest.mark.slow
