@@ -38,7 +38,7 @@ def test_blocks_dequantize_to_the_reference_bits(kquant):
         mapped = from_gguf_blocks(stored_type, blocks, shape)
         fmt, group, low, high = FORMATS[type_name]
         assert isinstance(mapped, fmt) and mapped.group_size == group
-        # The loader's weights are gguf.quants.dequantize of the same blocks (rows in HF order): bit-exact.
+        # The loader's weights (our mapping's dequantization, rows in HF order) and gguf.quants' reference: bit-exact.
         assert torch.equal(mapped.dequantize(), loaded.weights[name]), name
         assert torch.equal(mapped.dequantize(), expected[name]), name
         codes = mapped.q.to(torch.int16)

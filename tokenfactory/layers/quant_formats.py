@@ -60,8 +60,8 @@ class Int8Weight:
     def dequantize(self) -> torch.Tensor:
         """(N, K) float32."""
         n, k = self.shape
-        groups = self.q.view(n, -1, self.group_size).float()  # (N, K/g, g)
-        return (groups * self.scale.unsqueeze(-1)).view(n, k)
+        groups = self.q.view(n, -1, self.group_size).float()  # (N, K/g, g), a fresh tensor: scaled in place
+        return groups.mul_(self.scale.unsqueeze(-1)).view(n, k)
 
 
 @dataclass(frozen=True)
@@ -89,8 +89,8 @@ class _AffineGroups:
     def dequantize(self) -> torch.Tensor:
         """(N, K) float32."""
         n, k = self.shape
-        groups = self.q.view(n, -1, self.group_size).float()  # (N, K/g, g)
-        return (groups * self.scale.unsqueeze(-1) + self.min.unsqueeze(-1)).view(n, k)
+        groups = self.q.view(n, -1, self.group_size).float()  # (N, K/g, g), a fresh tensor: scaled in place
+        return groups.mul_(self.scale.unsqueeze(-1)).add_(self.min.unsqueeze(-1)).view(n, k)
 
 
 @dataclass(frozen=True)

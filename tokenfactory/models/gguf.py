@@ -4,7 +4,8 @@ one tensor at a time, as placement asks), tokenizer.
 The header is parsed here rather than with `gguf.GGUFReader`: the reader builds a numpy view for every
 string of the vocabulary and merges (~98k for SmolLM2) and spends ~2.5 s on the bundled model before a
 single weight is read; this parser reads the same header in ~0.1 s (tests check that both agree). The
-`gguf` package still supplies the type tables and the dequantization (`gguf.quants.dequantize`).
+`gguf` package still supplies the type tables and the dequantization of the types with no exact mapping
+(`gguf.quants.dequantize`).
 
 Three parts that read the same metadata, hence the length (~600 lines): the header parser, the model
 (config, tensor names, Q/K un-permutation, RoPE scaling) and the tokenizer rebuilt from tokenizer.ggml.*.
@@ -36,7 +37,7 @@ from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from tokenfactory.config import ModelConfig
-from tokenfactory.layers.quant_formats import RawGGUFTensors
+from tokenfactory.layers.quant_formats import RawGGUFTensors, from_gguf_blocks
 from tokenfactory.models.base import LoadedModel, check_weight_shapes, expected_weight_shapes
 from tokenfactory.models.tokenizer import Tokenizer, template_processing
 
@@ -85,10 +86,22 @@ class GGUFFile:
     def dequantized(self, name: str, row_order: np.ndarray | None = None) -> torch.Tensor:
         """The tensor in float32, logical shape, owning its memory; rows taken in `row_order` if given.
 
-        numpy (gguf.quants), not torch: on a loaded 2-core machine torch's intra-op threads made this
-        30x slower, and numpy is as fast single-threaded (~0.35 s for the bundled model)."""
+        A matrix whose type maps exactly onto our formats (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) is dequantized
+        from that mapping, a few whole-tensor torch ops giving the very bits `gguf.quants.dequantize` gives
+        (tests/layers/test_quant_formats.py): gguf's numpy routine runs a Python loop over groups of 16 rows and
+        took 0.2-2.5 s for the bundled model's Q8_0 embedding alone, against 0.1 s. On one intra-op thread:
+        on a 2-core machine with both cores busy elsewhere the whole model took 0.45 s so, 0.9-2.0 s on two threads
+        and 0.8-0.9 s through gguf. Other types go to gguf."""
         info = self.tensors[name]
         raw = self.raw(name) if row_order is None else self.raw(name)[row_order]
+        mapped = from_gguf_blocks(info.ggml_type.name, raw, info.shape)
+        if mapped is not None:
+            threads = torch.get_num_threads()  # OpenMP's count is the calling thread's: no other thread sees this
+            torch.set_num_threads(1)
+            try:
+                return mapped.dequantize()
+            finally:
+                torch.set_num_threads(threads)
         try:
             values = dequantize(raw, info.ggml_type)
         except NotImplementedError as e:
