@@ -43,6 +43,20 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+def flat_curve(*args: object) -> list[tuple[int, float]]:
+    """A flat target step curve (memory-bound decode: k + 1 rows cost what one does), as data."""
+    return [(1, 0.010), (256, 0.010)]
+
+
+@pytest.fixture(autouse=True)
+def no_timed_target_curve(monkeypatch):
+    """Every test here decides by costs it sets (force_drafting, set_costs, the flat curve), so the target's curve
+    is not timed: that took ~13 of this module's ~50 s, only to be replaced. It also keeps a loaded 2-core machine
+    from retiring self-int4 at start-up, before force_drafting could make its drafts pay. The real timing runs
+    where a real engine builds a speculator (test_speculative_real, test_compiled_decode, test_grammar)."""
+    monkeypatch.setattr(speculative, "calibrate_target", flat_curve)
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def tiny(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
@@ -82,12 +96,8 @@ def methods(draft_dir) -> list[str]:
 
 
 @pytest.mark.parametrize("budget", [512, 7])
-def test_greedy_identical_batched_chunked_and_prefix_hit(tiny, budget, monkeypatch) -> None:
+def test_greedy_identical_batched_chunked_and_prefix_hit(tiny, budget) -> None:
     loaded, draft_dir = tiny
-    # Build every method whatever this machine's timings say: a flat step curve (memory-bound decode, where k + 1
-    # rows cost what one does) under which self-int4 is worth building; on a loaded 2-core machine the measured
-    # T(1 + k) can retire it at start-up, before force_drafting could make its drafts pay.
-    monkeypatch.setattr(speculative, "calibrate_target", lambda *a: [(1, 0.010), (256, 0.010)])
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     plain = generate(make_engine(loaded, max_num_batched_tokens=budget), prompts(), params)
     for method in methods(draft_dir):
@@ -396,8 +406,7 @@ def test_self_int4_of_a_target_as_small_is_never_built(tiny, monkeypatch, ratio,
 
     loaded, _ = tiny
     monkeypatch.setattr(speculative, "int4_bytes_ratio", lambda model: ratio)
-    monkeypatch.setattr(speculative, "calibrate_target", lambda *a: [(1, 0.010), (256, 0.010)])  # flat
     spec = make_engine(loaded, "self-int4").speculator
-    # Flat T: k always-accepted drafts pay iff (1 + k) T > T + k ratio T, i.e. iff ratio < 1.
+    # Flat T (no_timed_target_curve): k always-accepted drafts pay iff (1 + k) T > T + k ratio T, i.e. iff ratio < 1.
     assert isinstance(spec.proposer, speculative.DraftModelProposer) is built
     assert spec.retired is not built and spec.metrics().enabled is built

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine.test_speculative import force_drafting
+import tokenfactory.engine.speculative as speculative_module
+from tests.engine.test_speculative import flat_curve, force_drafting
 from tokenfactory.bench.spec import workloads
 from tokenfactory.config import EngineConfig
 from tokenfactory.engine.async_engine import AsyncEngine
@@ -29,7 +30,11 @@ def make_engine(bundled, speculative: str = "none", **kw) -> LLMEngine:
     # chunk and a one-token decode take different kernels, so identity is defined in float32.
     cfg = dict(dtype="float32", kv_cache_memory=128 << 20, max_model_len=1024, quantization="none")
     cfg.update(kw)
-    engine = LLMEngine(EngineConfig(speculative=speculative, **cfg), bundled)
+    with pytest.MonkeyPatch.context() as patch:
+        # force_drafting replaces the costs below, so the target's curve is not timed (~4.4 s an engine here);
+        # test_metrics_collector_shows_the_decision builds its engine with the real timing.
+        patch.setattr(speculative_module, "calibrate_target", flat_curve)
+        engine = LLMEngine(EngineConfig(speculative=speculative, **cfg), bundled)
     # The pool is allocated zeroed now (model_runner.allocate_kv_pool); zeroing again is harmless.
     for k_cache, v_cache in engine.runner.kv_caches:
         k_cache.zero_()
