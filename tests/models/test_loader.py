@@ -85,6 +85,38 @@ def test_bundled_loads_within_a_few_seconds():
     assert seconds < 10.0  # ~0.5-1.5 s on a quiet 2-core machine; generous for a loaded one
 
 
+NO_DYNAMO = """
+import sys
+import torch
+from tokenfactory.config import EngineConfig
+from tokenfactory.engine.engine import LLMEngine
+from tokenfactory.engine.placement import planned_weight_bytes
+from tokenfactory.models.loader import load_model
+from tokenfactory.types import SamplingParams
+loaded = load_model(None)
+config = EngineConfig(kv_cache_memory=64 << 20, machine_profile="off")
+planned_weight_bytes(loaded, config, torch.device("cpu"), torch.bfloat16)
+engine = LLMEngine(config, loaded)
+engine.warmup()
+rid = engine.add_request("The sky is", SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, seed=1))
+engine.run_to_completion([rid])
+print(sorted(m for m in sys.modules if m.startswith("torch._dynamo")))
+"""
+
+
+@pytest.mark.slow
+def test_a_cpu_engine_never_imports_torch_dynamo() -> None:
+    """Placement plans and builds the model on the meta device, where ops that torch implements in Python
+    (torch._refs: nn.Embedding's normal_ init, arange, cat) import torch._dynamo on first use: ~1.3 s of every
+    process's start, for a compiler a CPU engine never calls. A fresh interpreter, as `serve` starts."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", NO_DYNAMO], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
 @pytest.mark.slow
 def test_header_parser_agrees_with_gguf_reader():
     path = bundled_model_path()

@@ -181,9 +181,19 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
            for p in parts):
         return None
     if isinstance(first, Int8Weight):
-        return Int8Weight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
-    return type(first)(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
-                       torch.cat([p.min for p in parts]))  # type: ignore[union-attr]
+        return Int8Weight(_cat_rows([p.q for p in parts]), _cat_rows([p.scale for p in parts]))
+    return type(first)(_cat_rows([p.q for p in parts]), _cat_rows([p.scale for p in parts]),
+                       _cat_rows([p.min for p in parts]))  # type: ignore[union-attr]
+
+
+def _cat_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat along dim 0. On the meta device (a plan from shapes alone: placement.planned_weight_bytes) an
+    empty tensor of that shape: meta's cat runs through torch._refs, which imports torch._dynamo, ~1.3 s of a
+    process's start that nothing on a CPU needs."""
+    first = tensors[0]
+    if first.is_meta:
+        return torch.empty((sum(t.shape[0] for t in tensors), *first.shape[1:]), dtype=first.dtype, device="meta")
+    return torch.cat(tensors)
 
 
 # ---------------------------------------------------------------------------------------------------
