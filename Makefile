@@ -2,6 +2,9 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
+# Bytecode caches are written (gitignored): with PYTHONDONTWRITEBYTECODE set, as on our dev machines, pytest
+# rewrites the assertions of every test module again on each run (collection 15 s against 9 s).
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: install serve test test-quick lint bench quant-fixtures lmeval
 
