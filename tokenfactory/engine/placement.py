@@ -74,6 +74,24 @@ def layer_linear_paths(i: int) -> tuple[str, ...]:
     return tuple(f"layers.{i}.{name}" for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
 
 
+def allocate(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """`module.to_empty(device=device).to(dtype=dtype)` for a module built on the meta device, each tensor allocated
+    once, in its final dtype (floating ones in `dtype`, others as they are), never written. Not to_empty: its
+    empty_like of a meta tensor runs through torch._refs, whose first call imports torch.fx's symbolic shapes and
+    sympy, ~0.4 s of a process's start."""
+    for m in module.modules():
+        for name, t in list(m._parameters.items()):
+            if t is not None:
+                m._parameters[name] = nn.Parameter(_empty(t, device, dtype), requires_grad=t.requires_grad)
+        for name, t in list(m._buffers.items()):
+            if t is not None:
+                m._buffers[name] = _empty(t, device, dtype)
+
+
+def _empty(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(t.shape, device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+
+
 @torch.no_grad()
 def place_model(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], *, device: torch.device,
                 dtype: torch.dtype, quantization: str = "none", raw_gguf: RawGGUFTensors | None = None,
@@ -95,18 +113,17 @@ def place_model(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], *, device
         path_to_format.update(summary.path_to_format)
         release_freed_memory()
 
-    # Each piece is allocated in the model's dtype (to_empty's float32 pages are never touched, so never
-    # resident) and the checkpoint's float32 tensors are cast as they are copied in, as model.to(dtype) would.
-    # The embedding and LM head first: the largest pieces (vocabulary x hidden), whose float temporaries then
-    # sit beside an almost empty device rather than beside every layer already placed.
-    model.embed_tokens.to_empty(device=device).to(dtype=dtype)
+    # Each piece is allocated in the model's dtype and the checkpoint's float32 tensors are cast as they are
+    # copied in, as model.to(dtype) would. The embedding and LM head first: the largest pieces (vocabulary x
+    # hidden), whose float temporaries then sit beside an almost empty device rather than beside every layer.
+    allocate(model.embed_tokens, device, dtype)
     if not cfg.tie_word_embeddings:
-        model.lm_head.to_empty(device=device).to(dtype=dtype)
+        allocate(model.lm_head, device, dtype)
     model.norm = nn.Parameter(torch.empty(cfg.hidden_size, device=device, dtype=dtype))
     model.load_outer_weights(weights)  # re-ties a tied LM head to the embedding
     quantize(("lm_head",))
     for i, layer in enumerate(track(model.layers, "loading weights", total=len(model.layers))):
-        layer.to_empty(device=device).to(dtype=dtype)
+        allocate(layer, device, dtype)
         model.load_layer_weights(i, weights)
         quantize(layer_linear_paths(i))
     release = getattr(weights, "release", None)  # a file-backed mapping (models/gguf.py GGUFWeights): its pages
