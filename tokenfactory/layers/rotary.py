@@ -48,7 +48,7 @@ class Rotary(nn.Module):
         super().__init__()
         # On the CPU whatever the default device: placement builds the model under the meta device (one position;
         # the runner builds the real tables), where arange runs through torch._refs and imports torch._dynamo,
-        # ~1.6 s of a process's start that nothing on a CPU needs.
+        # ~1.3 s of a process's start that nothing on a CPU needs.
         with torch.device("cpu"):
             freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(cfg))
         self.register_buffer("cos", freqs.cos(), persistent=False)  # (P, d/2)

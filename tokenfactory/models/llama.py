@@ -61,7 +61,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         # Given its (uninitialised) weight, nn.Embedding skips its normal_ init: on the meta device placement builds
-        # on, normal_ goes through torch._refs and imports torch._dynamo (~1.6 s of every process's start).
+        # on, normal_ goes through torch._refs and imports torch._dynamo (~1.3 s of every process's start).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
