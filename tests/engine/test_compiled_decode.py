@@ -75,6 +75,9 @@ class Checked:
         self.steps += 1
         return out
 
+    def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
+        assert self.compiled.logits(input_ids, positions, meta) is None  # the graph ends at the hidden states
+
 
 @pytest.mark.parametrize("quantization", ["none", pytest.param("int8", marks=pytest.mark.slow)])
 def test_compiled_steps_match_the_forward_in_every_bucket(tmp_path, pytorch_path, quantization) -> None:

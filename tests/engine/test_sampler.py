@@ -96,3 +96,29 @@ def test_first_max_is_argmax_with_ties_anywhere_in_a_long_row():
         x[0, 40000:] = 9.0  # one row's maxima only near its end
         assert first_max(x) == x.argmax(dim=-1).tolist()
         assert first_max(x.bfloat16().float()) == x.argmax(dim=-1).tolist()
+
+
+def test_greedy_ids_from_the_caller_stand_only_while_nothing_changes_the_logits() -> None:
+    """The decode step's head hands the sampler each row's first max: greedy rows take it as it is, and sampled
+    rows never read it as their token; a penalty, logit_bias, a grammar's mask or min_tokens changes the logits,
+    so the sampler finds the maxima again."""
+    from tokenfactory.engine.logits import LogitBias
+    from tokenfactory.engine.sequence import Sequence
+    from tokenfactory.types import SamplingParams
+
+    def seq(**kw) -> Sequence:
+        return Sequence("s", "s", 0, [1, 2], SamplingParams(**kw), 0.0)
+
+    sampler = Sampler(frozenset({5}), processors=[LogitBias()])
+    logits = LOGITS[None]  # first max 0
+    plain = sampler.prepare([seq(temperature=0)])
+    assert [t.token_id for t in sampler.sample(logits, plain, greedy_ids=[0])] == [0]
+    assert sampler.sample(logits, plain, greedy_ids=[4])[0].token_id == 4  # taken as given: the head's own search
+    # A hint of 3 where the changed logits' first max is 1, 1 and 0: it must be ignored.
+    for changed, token in ((dict(logit_bias={0: -100}), 1), (dict(repetition_penalty=4.0), 1),
+                           (dict(min_tokens=3), 0)):
+        batch = sampler.prepare([Sequence("s", "s", 0, [0, 2], SamplingParams(temperature=0, **changed), 0.0)])
+        assert sampler.sample(logits, batch, greedy_ids=[3])[0].token_id == token, changed
+    sampled = sampler.prepare([seq(temperature=1.0, seed=1)])
+    drawn = {sampler.sample(logits, sampled, greedy_ids=[4])[0].token_id for _ in range(200)}
+    assert len(drawn) > 2  # drawn from the distribution, not the given maximum

@@ -130,6 +130,11 @@ class CompiledDecode:
         # A graph's output lives in its pool until the next replay: the caller gets its own copy of the real rows.
         return hidden[:n].clone()
 
+    def logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
+               meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """None: the graph ends at the hidden states; the runner computes the logits after it."""
+        return None
+
     def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
               lens: torch.Tensor) -> torch.Tensor:
         """The traced function: the model's own forward over one bucket's static shapes."""

@@ -49,6 +49,12 @@ class DecodeStep(Protocol):
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor: ...
 
+    def logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
+               meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step's logits (T, V) float32 and each row's first largest (T,) when every row samples, computed
+        with the layers; None where this step cannot (nothing has run then)."""
+        ...
+
 
 @dataclass(frozen=True)
 class PromptSpan:
@@ -341,6 +347,10 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, inputs: ModelInputs) -> StepResult:
         self._choose_threads(inputs.input_ids.shape[0])
+        if inputs.sample_rows is None and inputs.sampling is not None and (fused := self._decode_logits(inputs)):
+            logits, first = fused
+            tokens = self.sampler.sample(logits, inputs.sampling, greedy_ids=first.tolist())
+            return StepResult([(seq, [tok]) for seq, tok in zip(inputs.sample_seqs, tokens, strict=True)])
         hidden = self._forward(inputs)  # (T, h)
         result = StepResult([])
         if inputs.sampling is not None:
@@ -416,6 +426,13 @@ class ModelRunner:
         """Run the step and return the logits (S, V) of its sampling rows without sampling (draft models)."""
         hidden = self._forward(inputs)  # (T, h)
         return self.model.compute_logits(sampled_rows(hidden, inputs.sample_rows))
+
+    def _decode_logits(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A plain decode step's logits and first maxima from the decode step itself, where it computes them."""
+        step = self.decode_step
+        if step is None or not step.fits(inputs.meta, inputs.input_ids.shape[0]):
+            return None
+        return step.logits(inputs.input_ids, inputs.positions, inputs.meta)
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         """The model over the step's flat batch, its prompt rows on the quantized layers' exact path (quant.step_rows);

@@ -105,14 +105,17 @@ class Sampler:
             num_logprobs=[s.params.logprobs for s in seqs],
             processed=tuple(p for proc in self.processors if (p := proc.prepare(seqs)) is not None))
 
-    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> list[SampledToken]:
-        """logits (S, V) float32 -> one token per row."""
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch, *,
+               greedy_ids: list[int] | None = None) -> list[SampledToken]:
+        """logits (S, V) float32 -> one token per row. `greedy_ids`: each row's `first_max` where the caller has it
+        already (the decode step's head computes it), used unless penalties or processors change the logits."""
+        if batch.penalties or batch.banned or batch.processed:
+            greedy_ids = None
         logits = _penalised(logits.float(), batch)
         logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in batch.num_logprobs) else None
-        if batch.all_greedy:
-            token_ids = first_max(logits)
-        else:
-            token_ids = self._sample_random(logits, batch)
+        if greedy_ids is None:
+            greedy_ids = first_max(logits)
+        token_ids = greedy_ids if batch.all_greedy else self._sample_random(logits, batch, greedy_ids)
         return [SampledToken(t, _row_logprobs(logprobs, row, t, batch.num_logprobs[row]))
                 for row, t in enumerate(token_ids)]
 
@@ -152,8 +155,7 @@ class Sampler:
             probs = probs.masked_fill(probs < min_ps * probs.amax(dim=-1, keepdim=True), 0.0)
         return probs
 
-    def _sample_random(self, logits: torch.Tensor, batch: SamplingBatch) -> list[int]:
-        greedy_ids = first_max(logits)
+    def _sample_random(self, logits: torch.Tensor, batch: SamplingBatch, greedy_ids: list[int]) -> list[int]:
         probs = self.probs(logits, batch)  # (S, V)
         # The exponential race (Gumbel-max): argmax(p / q) with q ~ Exp(1) per token draws from p. Each row's
         # noise comes from its own generator, so a seeded row draws the same token whatever shares its

@@ -120,7 +120,10 @@ class LlamaForCausalLM(nn.Module):
         plan = kernels.DecodePlan([t.detach() for t in tensors], kinds, packed_rows,
                                   [layer.window or 0 for layer in self.layers], c.num_heads, c.num_kv_heads,
                                   c.head_dim ** -0.5, c.rms_norm_eps, PREPACKED_MAX_ROWS)
-        return DecodePlan(self, plan, max_rows)
+        head = plan_linear(self.lm_head, dtype)
+        head_rows = head.packed_rows if head is not None and head.kind != 0 and plan.set_head(
+            self.norm.detach(), [t.detach() for t in head.tensors()], head.kind, head.packed_rows) else 0
+        return DecodePlan(self, plan, max_rows, head_rows)
 
     @torch.no_grad()
     def load_hf_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
@@ -171,8 +174,9 @@ class DecodePlan:
     rounding, so the outputs are the same bits; without ~10 Python-level calls a layer. It holds the model's
     tensors and the KV caches it was built over: build a new one when either is replaced."""
 
-    def __init__(self, model: LlamaForCausalLM, plan: object, max_rows: int) -> None:
+    def __init__(self, model: LlamaForCausalLM, plan: object, max_rows: int, head_rows: int = 0) -> None:
         self.model, self.plan, self.max_rows = model, plan, max_rows
+        self.head_rows = head_rows  # the most rows `logits` takes: the LM head's packed rows (0: none)
 
     def fits(self, meta: AttentionMetadata, num_rows: int) -> bool:
         return not meta.prefills and meta.num_decode_tokens == num_rows <= self.max_rows
@@ -191,6 +195,22 @@ class DecodePlan:
         rotary = self.model.rotary
         return self.plan.run(self.model.embed_tokens(input_ids), positions, rotary.cos, rotary.sin,  # type: ignore[attr-defined]
                              meta.slot_mapping, tables, lens, starts)
+
+    def logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
+               meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A step whose every row samples, the final norm and the LM head in the layers' parallel region: (logits
+        (T, V) float32, the same bits as `compute_logits(self(...))`; each row's first largest logit's index (T,),
+        as `max(dim=-1)`), or None where the region cannot run the head too (then nothing has run). A single stream
+        spent ~0.2 ms a token around the head otherwise: its Python calls, and widening and searching 49152 logits
+        in PyTorch ops that read them cold from the other core's cache."""
+        tables, lens, starts = meta.decode_block_tables, meta.decode_seq_lens, meta.decode_query_start
+        if not 0 < input_ids.shape[0] <= self.head_rows or tables is None or lens is None or starts is None:
+            return None
+        rotary = self.model.rotary
+        logits, first = self.plan.run_logits(  # type: ignore[attr-defined]
+            self.model.embed_tokens(input_ids), positions, rotary.cos, rotary.sin, meta.slot_mapping, tables, lens,
+            starts)
+        return None if logits is None else (logits, first)
 
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {

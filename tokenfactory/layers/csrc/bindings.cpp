@@ -25,6 +25,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<const std::vector<torch::Tensor>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
                     const std::vector<int64_t>&, int64_t, int64_t, double, double, int64_t>())
       .def("run", &DecodePlan::run, py::call_guard<py::gil_scoped_release>())
+      .def("run_logits", &DecodePlan::run_logits, py::call_guard<py::gil_scoped_release>())
+      .def("set_head", &DecodePlan::set_head)
       .def("set_one_region", &DecodePlan::set_one_region)
       .def_property_readonly("num_layers", &DecodePlan::num_layers);
 }

@@ -1117,6 +1117,20 @@ at::Tensor prepacked_linear(const at::Tensor& x, const at::Tensor& packed, const
 // serial where it was (a row's norm and quantization, its rotation) and is spread over rows where a step has
 // several; SiLU·mul and the down layer's quantization are spread over a row's pairs of blocks.
 
+namespace {
+
+// Whether the region can run this linear layer: an int8-activation kernel's contiguous codes, scales (and minimums)
+// and bias, its input a whole number of pairs of blocks.
+bool region_takes(const PlanLinear& p) {
+  const int64_t k = p.w.size(1) * (p.kind == 1 ? 2 : 1), blocks = p.w.size(0) * (k / QBLOCK);
+  return p.kind != 0 && k % (2 * QBLOCK) == 0 && p.w.is_contiguous() && p.scales.is_contiguous() &&
+         p.scales.numel() == blocks && (p.kind != 1 || (p.mins.is_contiguous() && p.mins.numel() == blocks)) &&
+         (!p.bias.numel() || (p.bias.scalar_type() == at::kBFloat16 && p.bias.is_contiguous() &&
+                              p.bias.numel() == p.w.size(0)));
+}
+
+}  // namespace
+
 bool DecodePlan::region_possible() const {
 #if defined(_OPENMP) && defined(TF_Q8ACT_VNNI)
   if (layers_.empty()) return false;
@@ -1134,14 +1148,8 @@ bool DecodePlan::region_possible() const {
         l.o.w.size(0) != h || in(l.o) != heads || l.gate_up.w.size(0) != 2 * inner || in(l.gate_up) != h ||
         l.down.w.size(0) != h)
       return false;
-    for (const PlanLinear* p : {&l.qkv, &l.o, &l.gate_up, &l.down}) {
-      const int64_t k = in(*p), blocks = p->w.size(0) * (k / QBLOCK);
-      if (p->kind == 0 || k % (2 * QBLOCK) != 0 || !p->w.is_contiguous() || !p->scales.is_contiguous() ||
-          p->scales.numel() != blocks || (p->kind == 1 && (!p->mins.is_contiguous() || p->mins.numel() != blocks)) ||
-          (p->bias.numel() && (p->bias.scalar_type() != at::kBFloat16 || !p->bias.is_contiguous() ||
-                               p->bias.numel() != p->w.size(0))))
-        return false;
-    }
+    for (const PlanLinear* p : {&l.qkv, &l.o, &l.gate_up, &l.down})
+      if (!region_takes(*p)) return false;
   }
   return cache.dim() == 4 && cache.size(0) == nkv_ && cache.size(3) % 2 == 0;
 #else
@@ -1192,12 +1200,84 @@ inline void region_matmul(const RegionLinear& l, int64_t rows, const Quantized& 
                       out);
 }
 
+// A thread's columns [c0, c1) of one row of the head's output: widened to float32 into dst, and the first largest of
+// them (the first NaN where there is one: NaN beats every number in torch's `max`). index -1: no columns.
+struct RowMax {
+  float value;
+  int64_t index;
+  bool nan;
+};
+
+inline RowMax widen_first_max(const bf16* src, float* dst, int64_t c0, int64_t c1) {
+  if (c0 >= c1) return {0.f, -1, false};
+  float m = -INFINITY;
+  uint16_t top = 0;  // the largest magnitude's bits: above 0x7F80 is a NaN (the bits, since -ffast-math assumes none)
+#pragma omp simd reduction(max : m, top)
+  for (int64_t c = c0; c < c1; ++c) {
+    const float v = to_float(src[c]);
+    dst[c] = v;
+    m = std::max(m, v);
+    top = std::max<uint16_t>(top, src[c].x & 0x7FFF);
+  }
+  const bool nan = top > 0x7F80;
+  for (int64_t c = c0; c < c1; ++c)
+    if (nan ? (src[c].x & 0x7FFF) > 0x7F80 : dst[c] == m) return {dst[c], c, nan};
+  return {m, c0, nan};  // not reached: m is one of the values
+}
+
+// One row's first max over the threads' parts (stride apart), thread t's columns before thread t + 1's.
+inline int64_t merge_first_max(const RowMax* parts, int64_t stride, int64_t team) {
+  const RowMax* best = nullptr;
+  for (int64_t t = 0; t < team; ++t) {
+    const RowMax& p = parts[t * stride];
+    if (p.index >= 0 && (best == nullptr || (p.nan && !best->nan) || (!p.nan && !best->nan && p.value > best->value)))
+      best = &p;
+  }
+  return best->index;
+}
+
 }  // namespace
 #endif
 
+// Where run_logits writes: logits (T, V) float32 and each row's first max (T,).
+struct DecodePlan::HeadOut {
+  float* logits;
+  int64_t* first;
+};
+
+bool DecodePlan::set_head(at::Tensor norm, const std::vector<at::Tensor>& t, int64_t kind, int64_t packed_rows) {
+  TORCH_CHECK(t.size() == 6, "DecodePlan.set_head: a linear layer's 6 tensors (w, scales, mins, bias, dense, "
+                             "prepacked)");
+  final_norm_ = at::Tensor();
+  head_ = PlanLinear{kind, t[0], t[1], t[2], t[3], packed_rows, 0, t[4], t[5]};
+  const int64_t h = layers_.empty() ? 0 : layers_[0].input_norm.numel();
+  if (!region_possible() || (kind != 1 && kind != 2) || packed_rows < 1 || !region_takes(head_) ||
+      head_.w.size(1) * (kind == 1 ? 2 : 1) != h || norm.numel() != h || !norm.is_contiguous() ||
+      norm.scalar_type() != at::kBFloat16 || head_.scales.scalar_type() != at::kHalf ||
+      (kind == 1 && head_.mins.scalar_type() != at::kHalf))
+    return false;
+  final_norm_ = norm;
+  return true;
+}
+
+std::tuple<at::Tensor, at::Tensor> DecodePlan::run_logits(at::Tensor x, at::Tensor positions, at::Tensor cos,
+                                                          at::Tensor sin, at::Tensor slots, at::Tensor block_tables,
+                                                          at::Tensor seq_lens, at::Tensor query_start) const {
+  const int64_t rows = x.dim() == 2 ? x.size(0) : 0;
+  if (!final_norm_.defined() || !one_region_ || rows < 1 || rows > std::min(region_rows_, head_.packed_rows) ||
+      x.scalar_type() != at::kBFloat16)
+    return {at::Tensor(), at::Tensor()};
+  auto logits = at::empty({rows, head_.w.size(0)}, x.options().dtype(at::kFloat));
+  auto first = at::empty({rows}, x.options().dtype(at::kLong));
+  const HeadOut head{logits.data_ptr<float>(), first.data_ptr<int64_t>()};
+  if (!run_region(x, positions, cos, sin, slots, block_tables, seq_lens, query_start, &head).defined())
+    return {at::Tensor(), at::Tensor()};
+  return {logits, first};
+}
+
 at::Tensor DecodePlan::run_region(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin,
                                   at::Tensor slots, at::Tensor block_tables, at::Tensor seq_lens,
-                                  at::Tensor query_start) const {
+                                  at::Tensor query_start, const HeadOut* head) const {
 #if defined(_OPENMP) && defined(TF_Q8ACT_VNNI)
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
               "DecodePlan.run: x must be contiguous (T, h) bfloat16");
@@ -1231,15 +1311,21 @@ at::Tensor DecodePlan::run_region(at::Tensor x, at::Tensor positions, at::Tensor
     lin.push_back({region_linear(l.qkv), region_linear(l.o), region_linear(l.gate_up), region_linear(l.down)});
     for (const RegionLinear& r : lin.back()) max_k = std::max(max_k, r.k), max_n = std::max(max_n, r.n);
   }
+  const RegionLinear hl = head != nullptr ? region_linear(head_) : RegionLinear{};
   // Scratch kept by the calling thread between steps (its own: the team uses these pointers, not the names).
   thread_local std::vector<bf16> hidden_buf, wide_buf, attn_buf, delta_buf, act_buf;
   thread_local std::vector<int8_t> xq_buf;
   thread_local std::vector<float> dx_buf, xs_buf, acc_buf;
+  thread_local std::vector<bf16> head_buf;  // the head's output (rows, V), before widening
+  thread_local std::vector<RowMax> parts_buf;  // (team, rows): each thread's first max of each row
+  if (head != nullptr) head_buf.resize(rows * hl.n), parts_buf.resize(team_max * rows);
   hidden_buf.resize(rows * h), delta_buf.resize(rows * h), attn_buf.resize(rows * nh * d);
   wide_buf.resize(rows * max_n), act_buf.resize(rows * max_k), xq_buf.resize(rows * max_k);
-  dx_buf.resize(rows * max_k / QBLOCK), xs_buf.resize(rows * max_k / QBLOCK), acc_buf.resize(rows * max_n);
+  dx_buf.resize(rows * max_k / QBLOCK), xs_buf.resize(rows * max_k / QBLOCK);
+  acc_buf.resize(rows * std::max(max_n, hl.n));
   bf16 *hidden = hidden_buf.data(), *wide = wide_buf.data(), *attn = attn_buf.data(), *delta = delta_buf.data();
-  bf16* act = act_buf.data();
+  bf16 *act = act_buf.data(), *head_out = head_buf.data();
+  RowMax* parts = parts_buf.data();
   float* acc = acc_buf.data();
   const Quantized in{xq_buf.data(), dx_buf.data(), xs_buf.data()};
   bf16 *xp = x.data_ptr<bf16>(), *qp = q.data_ptr<bf16>();
@@ -1327,6 +1413,23 @@ at::Tensor DecodePlan::run_region(at::Tensor x, at::Tensor positions, at::Tensor
 #pragma omp barrier
     }
     for (int64_t r = r0; r < r1; ++r) add_row(xp + r * h, delta + r * h, h);
+    if (head != nullptr) {
+      // As compute_logits: the final norm of this thread's rows, quantized for the head; the head, each thread
+      // widening its own columns (still in its cache) and finding their first max; the rows' maxima merged.
+      for (int64_t r = r0; r < r1; ++r) {
+        rms_norm_row(xp + r * h, final_norm_.data_ptr<bf16>(), hidden + r * h, h, eps);
+        in.row(hidden + r * h, r, h, hl.w.q4);
+      }
+#pragma omp barrier
+      region_matmul(hl, rows, in, acc, head_out, tid, team);
+      int64_t u0, u1;
+      share(q8act_units(hl.n), tid, team, u0, u1);
+      for (int64_t r = 0; r < rows; ++r)
+        parts[tid * rows + r] = widen_first_max(head_out + r * hl.n, head->logits + r * hl.n,
+                                                std::min(hl.n, u0 * Q8_UNIT), std::min(hl.n, u1 * Q8_UNIT));
+#pragma omp barrier
+      for (int64_t r = r0; r < r1; ++r) head->first[r] = merge_first_max(parts + r, rows, team);
+    }
   }
   return x;
 #else

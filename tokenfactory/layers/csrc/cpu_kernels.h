@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 // Decode attention from the paged KV cache (layouts at the top of cpu_kernels.cpp); window 0: full attention.
@@ -102,7 +103,7 @@ class DecodePlan {
                     at::Tensor slots, at::Tensor block_tables, at::Tensor seq_lens,
                     at::Tensor query_start) const {
     if (one_region_ && x.dim() == 2 && x.size(0) <= region_rows_ && x.scalar_type() == at::kBFloat16) {
-      auto y = run_region(x, positions, cos, sin, slots, block_tables, seq_lens, query_start);
+      auto y = run_region(x, positions, cos, sin, slots, block_tables, seq_lens, query_start, nullptr);
       if (y.defined()) return y;
     }
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "DecodePlan.run: x must be contiguous (T, h)");
@@ -121,8 +122,26 @@ class DecodePlan {
   // joining the threads and allocating its output (~150 of each a token at one row): the same kernels and
   // rounding, so the same bits. Possible when every linear layer is on the int8-activation fast path; an
   // undefined tensor where this step cannot run so (not one row a sequence), which `run` then runs op by op.
+  // `head`: also the final norm and the LM head of every row, in the same region (`run_logits`); nullptr: the
+  // hidden states.
+  struct HeadOut;
   at::Tensor run_region(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor slots,
-                        at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_start) const;
+                        at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_start,
+                        const HeadOut* head) const;
+
+  // The final norm (`norm`, (h,)) and the LM head after the layers, for steps whose every row samples (`run_logits`):
+  // the head as a PlanLinear's 6 tensors (w, scales, mins, bias, dense, prepacked), an int8-activation kernel's
+  // (kind 1 or 2) up to its packed rows. Returns whether the region can run it.
+  bool set_head(at::Tensor norm, const std::vector<at::Tensor>& tensors, int64_t kind, int64_t packed_rows);
+
+  // `run`, then the final norm and the LM head of every row in the same parallel region: (logits (T, V) float32,
+  // as the head's bfloat16 output widened; each row's index of its first largest logit (T,) int64, the first NaN
+  // where there is one, as torch's `max(dim=-1)`). Undefined tensors, and x untouched, where the region cannot run
+  // this step (no head, more rows than the head takes packed, not one row a sequence): run it as `run`, then the
+  // head.
+  std::tuple<at::Tensor, at::Tensor> run_logits(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin,
+                                                at::Tensor slots, at::Tensor block_tables, at::Tensor seq_lens,
+                                                at::Tensor query_start) const;
 
   // Whether `run` takes the one-region path: asked for (`on`) and possible. Returns the state now.
   bool set_one_region(bool on) {
@@ -140,4 +159,6 @@ class DecodePlan {
   double scale_, eps_;
   bool one_region_ = false;
   int64_t region_rows_ = INT64_MAX;  // the most rows every linear layer takes packed: the region's limit
+  at::Tensor final_norm_;  // undefined: no head (set_head)
+  PlanLinear head_;
 };
