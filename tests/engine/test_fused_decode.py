@@ -147,6 +147,30 @@ def test_bundled_model_decodes_through_the_plan_as_served(bundled) -> None:
     assert checked.steps >= 7 and max(checked.rows) == 6
 
 
+@pytest.mark.parametrize(("dense", "packed_rows"), [  # serve's default in the quick suite, the rest in the full one
+    pytest.param("copy", 16, marks=pytest.mark.slow), pytest.param("prepacked", 16, marks=pytest.mark.slow),
+    pytest.param("copy", 4, marks=pytest.mark.slow), ("prepacked", 4)])
+def test_bundled_model_plan_at_and_past_the_packed_rows(bundled, dense, packed_rows) -> None:
+    """Steps of up to 14 rows through the plan, its layers packed up to `packed_rows` (16: every step packed, in one
+    region; 4: the larger steps on the layers' dense path inside the plan, oneDNN's prepacked weight or the plain
+    copy, op by op), bit for bit the forward's."""
+    if not q8act_available():
+        pytest.skip("the int8-activation kernels need AVX-512 VNNI")
+    engine = LLMEngine(EngineConfig(kv_cache_memory=64 << 20, max_model_len=512, max_num_seqs=16,
+                                    quantization_dense=dense, machine_profile="off"), bundled)
+    runner = engine.runner
+    for m in runner._crossovers:
+        runner._crossovers[m] = packed_rows
+    assert runner.set_packed_rows(0) == packed_rows
+    assert runner.decode_step.max_rows > 16  # every layer keeps a dense path: the plan takes any step
+    checked = run_checked(engine, prompts(14, seed=6), max_tokens=6, one_region=True)
+    assert max(checked.rows) == 14  # past 4 packed rows: the dense path; up to 16: packed
+    # The LM head keeps its own crossover: in the region only for steps it takes packed, the rest after the plan.
+    head_limit = min(runner.model.lm_head.max_packed_rows, packed_rows)
+    assert head_limit < 14 and all(rows <= head_limit for rows in checked.head_rows), checked.head_rows
+    assert run_checked(engine, prompts(2, seed=7), max_tokens=4, one_region=True).head_rows == {2}
+
+
 def test_the_plans_lm_head_finds_the_first_max_as_torch_does(tmp_path) -> None:
     """The head's first max, found by two threads over their halves of the vocabulary and merged: a NaN beats every
     number and the first NaN wins, within a thread's half and across them; equal logits give the first (as torch's

@@ -196,7 +196,8 @@ class ModelRunner:
     def set_packed_rows(self, rows: int) -> int:
         """Keep every decoder layer packed up to `rows` (or its measured crossover, where that is more) and build the
         plan again over them: the plan and the forward follow the same crossovers, so they compute the same bits.
-        The LM head keeps its own crossover (the plan does not run it). Returns `packed_rows()` now."""
+        The LM head keeps its own crossover: the plan runs it only for steps of up to that many rows
+        (`DecodePlan.logits`). Returns `packed_rows()` now."""
         if self.packed_rows() == 0:
             return 0
         for m, measured in self._crossovers.items():
