@@ -57,6 +57,7 @@ class Checked:
         self.rows.add(input_ids.shape[0])
         self.head_rows.add(input_ids.shape[0])
         self.firsts += first.tolist()
+        self.last_step = (input_ids, positions, meta)
         return fused
 
 
@@ -194,5 +195,8 @@ def test_the_plans_lm_head_finds_the_first_max_as_torch_does(tmp_path) -> None:
             model.norm.zero_()  # every logit 0: a tie over the whole vocabulary, each half's first found
             checked = run_checked(engine, prompts(3, seed=9), max_tokens=3, temperature=0)
             assert 3 in checked.head_rows and set(checked.firsts) == {0}
+            ids, positions, meta = checked.last_step  # the plan reads the embedding's rows itself: checked, as
+            with pytest.raises(IndexError, match="out of range"):  # nn.Embedding checks them
+                checked.plan.logits(torch.full_like(ids, 49152), positions, meta)
     finally:
         torch.set_num_threads(threads)

@@ -1245,28 +1245,41 @@ struct DecodePlan::HeadOut {
   int64_t* first;
 };
 
-bool DecodePlan::set_head(at::Tensor norm, const std::vector<at::Tensor>& t, int64_t kind, int64_t packed_rows) {
+bool DecodePlan::set_head(at::Tensor embed, at::Tensor norm, const std::vector<at::Tensor>& t, int64_t kind,
+                          int64_t packed_rows) {
   TORCH_CHECK(t.size() == 6, "DecodePlan.set_head: a linear layer's 6 tensors (w, scales, mins, bias, dense, "
                              "prepacked)");
-  final_norm_ = at::Tensor();
+  embed_ = final_norm_ = at::Tensor();
   head_ = PlanLinear{kind, t[0], t[1], t[2], t[3], packed_rows, 0, t[4], t[5]};
   const int64_t h = layers_.empty() ? 0 : layers_[0].input_norm.numel();
   if (!region_possible() || (kind != 1 && kind != 2) || packed_rows < 1 || !region_takes(head_) ||
       head_.w.size(1) * (kind == 1 ? 2 : 1) != h || norm.numel() != h || !norm.is_contiguous() ||
       norm.scalar_type() != at::kBFloat16 || head_.scales.scalar_type() != at::kHalf ||
-      (kind == 1 && head_.mins.scalar_type() != at::kHalf))
+      (kind == 1 && head_.mins.scalar_type() != at::kHalf) || embed.dim() != 2 || embed.size(1) != h ||
+      !embed.is_contiguous() || embed.scalar_type() != at::kBFloat16)
     return false;
-  final_norm_ = norm;
+  embed_ = embed, final_norm_ = norm;
   return true;
 }
 
-std::tuple<at::Tensor, at::Tensor> DecodePlan::run_logits(at::Tensor x, at::Tensor positions, at::Tensor cos,
+std::tuple<at::Tensor, at::Tensor> DecodePlan::run_logits(at::Tensor ids, at::Tensor positions, at::Tensor cos,
                                                           at::Tensor sin, at::Tensor slots, at::Tensor block_tables,
                                                           at::Tensor seq_lens, at::Tensor query_start) const {
-  const int64_t rows = x.dim() == 2 ? x.size(0) : 0;
-  if (!final_norm_.defined() || !one_region_ || rows < 1 || rows > std::min(region_rows_, head_.packed_rows) ||
-      x.scalar_type() != at::kBFloat16)
+  const int64_t rows = ids.dim() == 1 ? ids.size(0) : 0;
+  if (!final_norm_.defined() || !one_region_ || rows < 1 || rows > std::min(region_rows_, head_.packed_rows))
     return {at::Tensor(), at::Tensor()};
+  // The embedding's rows, as nn.Embedding copies them (the residual stream the region updates in place).
+  TORCH_CHECK(ids.scalar_type() == at::kLong, "DecodePlan.run_logits: ids must be int64");
+  const int64_t vocab = embed_.size(0), h = embed_.size(1);
+  auto id = ids.contiguous();
+  const int64_t* idp = id.data_ptr<int64_t>();
+  auto x = at::empty({rows, h}, embed_.options());
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK_INDEX(idp[r] >= 0 && idp[r] < vocab, "index ", idp[r], " is out of range for an embedding of ", vocab,
+                      " rows");
+    std::memcpy(x.data_ptr<c10::BFloat16>() + r * h, embed_.data_ptr<c10::BFloat16>() + idp[r] * h,
+                h * sizeof(c10::BFloat16));
+  }
   auto logits = at::empty({rows, head_.w.size(0)}, x.options().dtype(at::kFloat));
   auto first = at::empty({rows}, x.options().dtype(at::kLong));
   const HeadOut head{logits.data_ptr<float>(), first.data_ptr<int64_t>()};

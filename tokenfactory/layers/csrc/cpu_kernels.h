@@ -129,17 +129,18 @@ class DecodePlan {
                         at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_start,
                         const HeadOut* head) const;
 
-  // The final norm (`norm`, (h,)) and the LM head after the layers, for steps whose every row samples (`run_logits`):
-  // the head as a PlanLinear's 6 tensors (w, scales, mins, bias, dense, prepacked), an int8-activation kernel's
-  // (kind 1 or 2) up to its packed rows. Returns whether the region can run it.
-  bool set_head(at::Tensor norm, const std::vector<at::Tensor>& tensors, int64_t kind, int64_t packed_rows);
+  // The embedding (`embed`, (V, h)), and the final norm (`norm`, (h,)) and the LM head after the layers, for steps
+  // whose every row samples (`run_logits`): the head as a PlanLinear's 6 tensors (w, scales, mins, bias, dense,
+  // prepacked), an int8-activation kernel's (kind 1 or 2) up to its packed rows. Returns whether the region can run it.
+  bool set_head(at::Tensor embed, at::Tensor norm, const std::vector<at::Tensor>& tensors, int64_t kind,
+                int64_t packed_rows);
 
-  // `run`, then the final norm and the LM head of every row in the same parallel region: (logits (T, V) float32,
-  // as the head's bfloat16 output widened; each row's index of its first largest logit (T,) int64, the first NaN
-  // where there is one, as torch's `max(dim=-1)`). Undefined tensors, and x untouched, where the region cannot run
+  // The tokens' embedding rows, `run`, then the final norm and the LM head of every row in the same parallel region:
+  // (logits (T, V) float32, as the head's bfloat16 output widened; each row's index of its first largest logit (T,)
+  // int64, the first NaN where there is one, as torch's `max(dim=-1)`). Undefined tensors where the region cannot run
   // this step (no head, more rows than the head takes packed, not one row a sequence): run it as `run`, then the
-  // head.
-  std::tuple<at::Tensor, at::Tensor> run_logits(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin,
+  // head. A token id outside the embedding is an error, as nn.Embedding's.
+  std::tuple<at::Tensor, at::Tensor> run_logits(at::Tensor ids, at::Tensor positions, at::Tensor cos, at::Tensor sin,
                                                 at::Tensor slots, at::Tensor block_tables, at::Tensor seq_lens,
                                                 at::Tensor query_start) const;
 
@@ -159,6 +160,6 @@ class DecodePlan {
   double scale_, eps_;
   bool one_region_ = false;
   int64_t region_rows_ = INT64_MAX;  // the most rows every linear layer takes packed: the region's limit
-  at::Tensor final_norm_;  // undefined: no head (set_head)
+  at::Tensor embed_, final_norm_;  // undefined: no head (set_head)
   PlanLinear head_;
 };
