@@ -11,6 +11,8 @@ Modes (B is the changed behaviour, on the server's even-numbered requests; A is 
 - `wait`: after each step the engine thread waits (at most `--wait-ms`) until the event loop has run that step's
   outputs (two loop iterations), so the loop's work falls between steps rather than over the next one.
 - `loop`: no direct writes (gateway/direct.py): every token's chunk goes through the event loop, as before them.
+- `general`: decode steps take the general path (`model_runner.is_plain_decode` false: seven small input tensors,
+  the embedding, final norm, LM head and greedy search outside the decode plan's region), as before stop 49.
 """
 
 from __future__ import annotations
@@ -58,6 +60,11 @@ def serve(mode: str, work_us: float, wait_ms: float, port: int, serve_args: list
             return False if streams["n"] % 2 == 0 else send_directly(self, consumer)
 
         CompletionStream.send_directly = alternate  # type: ignore[method-assign]
+    elif mode == "general":
+        from tokenfactory.engine import model_runner
+
+        plain = model_runner.is_plain_decode
+        model_runner.is_plain_decode = lambda out: plain(out) and not is_b()
     elif mode == "work":
         put = output_stream.OutputStream.put
 
@@ -127,7 +134,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=["work", "wait", "loop"], default="work")
+    p.add_argument("--mode", choices=["work", "wait", "loop", "general"], default="work")
     p.add_argument("--work-us", type=float, default=150.0)
     p.add_argument("--wait-ms", type=float, default=2.0)
     p.add_argument("--num-prompts", type=int, default=50)
