@@ -150,11 +150,16 @@ def _run_json(command: list[str], out: Path | None = None) -> dict[str, Any]:
     return json.loads(out.read_text() if out is not None else done.stdout)
 
 
+def _offline_command(args: argparse.Namespace, num_requests: int, out: Path) -> list[str]:
+    """`bench offline` of our engine alone, with the run's model, engine options and --offline-args."""
+    model = ["--model", args.model_path] if args.model_path else []
+    return _tokenfactory_cli("bench", "offline", "--skip-hf", "--num-requests", str(num_requests), *model,
+                             *engine_options(args), *shlex.split(args.offline_args), "--out", str(out))
+
+
 def measure_offline(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     out = workdir / "offline.json"
-    model = ["--model", args.model_path] if args.model_path else []
-    command = _tokenfactory_cli("bench", "offline", "--skip-hf", "--num-requests", str(args.offline_requests), *model,
-                                *engine_options(args), *shlex.split(args.offline_args), "--out", str(out))
+    command = _offline_command(args, args.offline_requests, out)
     result = _run_json(command, out)
     data, environment = result["tokenfactory"], result["environment"]
     return {"command": shlex.join(["tokenfactory", *command[3:-2]]), "num_requests": args.offline_requests,
@@ -173,10 +178,8 @@ def measure_offline_single(args: argparse.Namespace, workdir: Path) -> float:
     """The offline single stream alone again (`bench offline` of one request, the same options): taken right after our
     server's levels, so the served single stream is held against offline figures from either side of it."""
     out = workdir / "offline-single.json"
-    model = ["--model", args.model_path] if args.model_path else []
-    command = _tokenfactory_cli("bench", "offline", "--skip-hf", *model, *engine_options(args),
-                                *shlex.split(args.offline_args), "--num-requests", "1", "--out", str(out))
-    return round(_run_json(command, out)["tokenfactory"]["single_stream"]["decode_tokens_per_s"], 1)
+    result = _run_json(_offline_command(args, 1, out), out)
+    return round(result["tokenfactory"]["single_stream"]["decode_tokens_per_s"], 1)
 
 
 def engine_options(args: argparse.Namespace) -> list[str]:

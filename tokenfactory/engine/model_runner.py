@@ -328,7 +328,7 @@ class ModelRunner:
             slots.append(table[ctx // bs] * bs + ctx % bs)
             tables.append(table)
         lens = [p + 1 for p in pos]
-        t = torch.tensor(ids + pos + slots + lens + list(range(n + 1)), dtype=torch.long, device=self.device)
+        t = self._long(ids + pos + slots + lens + list(range(n + 1)))
         meta = AttentionMetadata(slot_mapping=t[2 * n:3 * n], num_decode_tokens=n,
                                  decode_block_tables=self._pad_tables(tables), decode_seq_lens=t[3 * n:4 * n],
                                  prefills=(), decode_query_start=t[4 * n:])

@@ -1122,7 +1122,7 @@ namespace {
 // Whether the region can run this linear layer: an int8-activation kernel's contiguous codes, scales (and minimums)
 // and bias, its input a whole number of pairs of blocks.
 bool region_takes(const PlanLinear& p) {
-  const int64_t k = p.w.size(1) * (p.kind == 1 ? 2 : 1), blocks = p.w.size(0) * (k / QBLOCK);
+  const int64_t k = p.in_features(), blocks = p.w.size(0) * (k / QBLOCK);
   return p.kind != 0 && k % (2 * QBLOCK) == 0 && p.w.is_contiguous() && p.scales.is_contiguous() &&
          p.scales.numel() == blocks && (p.kind != 1 || (p.mins.is_contiguous() && p.mins.numel() == blocks)) &&
          (!p.bias.numel() || (p.bias.scalar_type() == at::kBFloat16 && p.bias.is_contiguous() &&
@@ -1141,12 +1141,11 @@ bool DecodePlan::region_possible() const {
         l.v_cache.scalar_type() != at::kBFloat16 || !l.input_norm.is_contiguous() || !l.post_norm.is_contiguous() ||
         l.input_norm.scalar_type() != at::kBFloat16 || l.post_norm.scalar_type() != at::kBFloat16)
       return false;
-    const int64_t h = l.input_norm.numel(), inner = l.down.w.size(1) * (l.down.kind == 1 ? 2 : 1);
+    const int64_t h = l.input_norm.numel(), inner = l.down.in_features();
     const int64_t heads = nh_ * cache.size(3);
-    auto in = [](const PlanLinear& p) { return p.w.size(1) * (p.kind == 1 ? 2 : 1); };
-    if (l.post_norm.numel() != h || l.qkv.w.size(0) != heads + 2 * nkv_ * cache.size(3) || in(l.qkv) != h ||
-        l.o.w.size(0) != h || in(l.o) != heads || l.gate_up.w.size(0) != 2 * inner || in(l.gate_up) != h ||
-        l.down.w.size(0) != h)
+    if (l.post_norm.numel() != h || l.qkv.w.size(0) != heads + 2 * nkv_ * cache.size(3) ||
+        l.qkv.in_features() != h || l.o.w.size(0) != h || l.o.in_features() != heads ||
+        l.gate_up.w.size(0) != 2 * inner || l.gate_up.in_features() != h || l.down.w.size(0) != h)
       return false;
     for (const PlanLinear* p : {&l.qkv, &l.o, &l.gate_up, &l.down})
       if (!region_takes(*p)) return false;
@@ -1172,7 +1171,7 @@ RegionLinear region_linear(const PlanLinear& p) {
   const bool q4 = p.kind == 1;
   return {{p.w.data_ptr<uint8_t>(), p.scales.data_ptr<c10::Half>(), q4 ? p.mins.data_ptr<c10::Half>() : nullptr,
            p.bias.numel() ? p.bias.data_ptr<bf16>() : nullptr, q4, true},
-          p.w.size(0), p.w.size(1) * (q4 ? 2 : 1)};
+          p.w.size(0), p.in_features()};
 }
 
 // [begin, end) of `total` items for thread `tid` of `team`, in equal contiguous shares.
@@ -1253,7 +1252,7 @@ bool DecodePlan::set_head(at::Tensor embed, at::Tensor norm, const std::vector<a
   head_ = PlanLinear{kind, t[0], t[1], t[2], t[3], packed_rows, 0, t[4], t[5]};
   const int64_t h = layers_.empty() ? 0 : layers_[0].input_norm.numel();
   if (!region_possible() || (kind != 1 && kind != 2) || packed_rows < 1 || !region_takes(head_) ||
-      head_.w.size(1) * (kind == 1 ? 2 : 1) != h || norm.numel() != h || !norm.is_contiguous() ||
+      head_.in_features() != h || norm.numel() != h || !norm.is_contiguous() ||
       norm.scalar_type() != at::kBFloat16 || head_.scales.scalar_type() != at::kHalf ||
       (kind == 1 && head_.mins.scalar_type() != at::kHalf) || embed.dim() != 2 || embed.size(1) != h ||
       !embed.is_contiguous() || embed.scalar_type() != at::kBFloat16)
@@ -1274,11 +1273,11 @@ std::tuple<at::Tensor, at::Tensor> DecodePlan::run_logits(at::Tensor ids, at::Te
   auto id = ids.contiguous();
   const int64_t* idp = id.data_ptr<int64_t>();
   auto x = at::empty({rows, h}, embed_.options());
+  c10::BFloat16 *xp = x.data_ptr<c10::BFloat16>(), *ep = embed_.data_ptr<c10::BFloat16>();
   for (int64_t r = 0; r < rows; ++r) {
     TORCH_CHECK_INDEX(idp[r] >= 0 && idp[r] < vocab, "index ", idp[r], " is out of range for an embedding of ", vocab,
                       " rows");
-    std::memcpy(x.data_ptr<c10::BFloat16>() + r * h, embed_.data_ptr<c10::BFloat16>() + idp[r] * h,
-                h * sizeof(c10::BFloat16));
+    std::memcpy(xp + r * h, ep + idp[r] * h, h * sizeof(c10::BFloat16));
   }
   auto logits = at::empty({rows, head_.w.size(0)}, x.options().dtype(at::kFloat));
   auto first = at::empty({rows}, x.options().dtype(at::kLong));

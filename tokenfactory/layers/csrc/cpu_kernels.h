@@ -51,6 +51,9 @@ struct PlanLinear {
   int64_t packed_rows = 0, prepacked_rows = 0;
   at::Tensor dense, prepacked;
 
+  // K: int4 codes hold two inputs a byte.
+  int64_t in_features() const { return w.size(1) * (kind == 1 ? 2 : 1); }
+
   at::Tensor operator()(const at::Tensor& x) const {
     const auto b = bias.numel() ? c10::optional<at::Tensor>(bias) : c10::nullopt;
     if (kind == 0) return at::linear(x, w, b);
