@@ -15,9 +15,11 @@ In order, each in its own process so none inherits another's threads or memory:
   4. at one client, each server also under a plain load generator (plain.py), just before the harness and just
      after: the harness's output tok/s must be within 5% of their mean, or the harness, not the server, is what
      was measured.
-  5. after our server, the offline single stream once more, in its own process.
-Then the goals (issue 29), as data: served single stream >= 95% of offline (decode rate, 1 / TPOT p50, against the
-mean of the offline single streams before and after our server), batch-1
+  5. after our server's levels, with it still up: the offline single stream and the served one in interleaved
+     pairs (bench/pairs.py: a worker process holds the offline engine; one request each per round).
+Then the goals (issue 29), as data: served single stream >= 95% of offline (the median of the pairs' ratios of
+decode rates, 1 / TPOT against offline's; with --single-stream-pairs 0, the one-client level's TPOT p50 against
+the offline run's single stream), batch-1
 decode at >= 50% of the read bandwidth measured in the same run (MBU; the faster of memory's and the cache's over
 the bytes one token reads: bench/offline.py `roofline_bandwidth`), and our output tok/s >= 1.2x every
 other engine at one client and >= 1.5x at more. `tokenfactory bench publish` turns the file into the README's
@@ -35,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +47,7 @@ SCHEMA = "tokenfactory.bench.machine/1"
 DEFAULT_LEVELS = "1:8,8:32,32:96"
 PLAIN_SEED_OFFSET = 1000  # the plain runs' prompts (+0 before, +1 after): past every level's (level i: seed + i)
 PLAIN_WARMUP_SEED_OFFSET = 1002  # the two short requests that warm a server up before the first plain run
+PAIRS_SEED_OFFSET = 1003  # the served side of the single-stream pairs
 SINGLE_STREAM_TOLERANCE = 0.05  # served single-stream decode within 5% of offline
 MBU_GOAL = 0.5  # batch-1 decode's share of the measured read bandwidth
 LEAD_AT_ONE_CLIENT, LEAD_AT_MORE = 1.2, 1.5  # our output tok/s over each other engine's
@@ -95,6 +99,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offline-requests", type=int, default=128, help="requests in the offline throughput run")
     p.add_argument("--offline-args", default="", help="more `bench offline` options, e.g. '--output-len 16:32'")
     p.add_argument("--skip-offline", action="store_true", help="served figures only")
+    p.add_argument("--single-stream-pairs", type=int, default=8,
+                   help="rounds of an offline and a served single stream, interleaved, for the served-single-stream "
+                        "goal (0: the one-client level against the offline run)")
     p.add_argument("--results-dir", default="results", help="logs and the per-run JSON go here")
     p.add_argument("--out", default="results/bench-machine.json")
 
@@ -174,12 +181,23 @@ def measure_offline(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             "quantization": data["quantization"], "dtype": data["dtype"]}
 
 
-def measure_offline_single(args: argparse.Namespace, workdir: Path) -> float:
-    """The offline single stream alone again (`bench offline` of one request, the same options): taken right after our
-    server's levels, so the served single stream is held against offline figures from either side of it."""
-    out = workdir / "offline-single.json"
-    result = _run_json(_offline_command(args, 1, out), out)
-    return round(result["tokenfactory"]["single_stream"]["decode_tokens_per_s"], 1)
+def measure_pairs(args: argparse.Namespace, url: str, model: str, tokenizer: Any) -> dict[str, Any]:
+    """The single-stream pairs (bench/pairs.py) against our running server: the offline side with the run's
+    engine options and --offline-args, its single stream the served requests' lengths; fresh prompts (a seed
+    no level uses) on the served side, so none is a prefix-cache hit."""
+    from tokenfactory.bench import pairs
+    from tokenfactory.bench.datasets import build_dataset
+    from tokenfactory.bench.serve import dataset_config
+
+    sargs = serve_args(args)
+    requests = build_dataset(dataset_config(sargs, args.single_stream_pairs, sargs.seed + PAIRS_SEED_OFFSET),
+                             tokenizer)
+    model_option = ["--model", args.model_path] if args.model_path else []
+    offline_argv = [*model_option, *engine_options(args), *shlex.split(args.offline_args),
+                    "--single-prompt-len", str(args.input_len), "--single-output-len", str(args.output_len)]
+    log = Path(args.results_dir).expanduser() / "logs" / "machine-pairs-worker.log"
+    result = pairs.measure(offline_argv, url, model, requests, log)
+    return {"command": shlex.join(["python", "-m", pairs.WORKER_MODULE, *offline_argv]), **result}
 
 
 def engine_options(args: argparse.Namespace) -> list[str]:
@@ -200,9 +218,14 @@ def serve_args(args: argparse.Namespace) -> argparse.Namespace:
                               "--save", "machine", *threads, *model])
 
 
-def measure_served(args: argparse.Namespace, name: str, levels: list[tuple[int, int]]) -> dict[str, Any] | None:
+AfterLevels = Callable[[str, str, Any], None]  # (base URL, served model, tokenizer), with the server still up
+
+
+def measure_served(args: argparse.Namespace, name: str, levels: list[tuple[int, int]],
+                   after_levels: AfterLevels | None = None) -> dict[str, Any] | None:
     """One engine at every level (started once, or once a level when its launcher sizes it per level), then the
-    plain generator's check at one client; None when it is not installed."""
+    plain generator's check at one client, then `after_levels` on the last server; None when it is not
+    installed."""
     from tokenfactory.bench import compare
 
     launcher = compare.LAUNCHERS[name]
@@ -211,8 +234,9 @@ def measure_served(args: argparse.Namespace, name: str, levels: list[tuple[int, 
     rows: list[dict[str, Any]] = []
     commands: dict[str, str] = {}
     result: dict[str, Any] = {"levels": rows, "commands_by_clients": commands}
-    for group in groups:
-        started = serve_group(args, name, model_path, group, rows, commands, result)
+    for i, group in enumerate(groups):
+        then = after_levels if i == len(groups) - 1 else None
+        started = serve_group(args, name, model_path, group, rows, commands, result, then)
         if started is None:
             return None
         if not started:
@@ -239,7 +263,8 @@ def bundled_path() -> Path:
 
 
 def serve_group(args: argparse.Namespace, name: str, model_path: Path, group: list[tuple[int, int]],
-                rows: list[dict[str, Any]], commands: dict[str, str], result: dict[str, Any]) -> bool | None:
+                rows: list[dict[str, Any]], commands: dict[str, str], result: dict[str, Any],
+                after_levels: AfterLevels | None = None) -> bool | None:
     """Start the engine sized for `group`'s levels and run them; None: not installed, False: it did not start."""
     from tokenfactory.bench import compare, plain
     from tokenfactory.bench.datasets import load_tokenizer
@@ -284,6 +309,8 @@ def serve_group(args: argparse.Namespace, name: str, model_path: Path, group: li
             if before is not None:
                 after = plain_run(sargs, url, model, tokenizer, requests, seed_offset=PLAIN_SEED_OFFSET + 1)
                 result["harness_check"] = plain.harness_check(run.figures.get("output_throughput"), [before, after])
+        if after_levels is not None:
+            after_levels(url, plain.served_model(url), tokenizer)
         return True
     finally:
         server.stop()
@@ -309,22 +336,24 @@ def plain_run(sargs: argparse.Namespace, url: str, model: str, tokenizer: Any, r
     return plain.closed_loop(url, model, prompts(seed_offset, requests), sargs.output_len, 1)
 
 
-def goals(offline: dict[str, Any] | None, served: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def goals(offline: dict[str, Any] | None, served: dict[str, dict[str, Any]],
+          pairs: dict[str, Any] | None = None) -> dict[str, Any]:
     """Served single stream against offline, MBU, and our lead over each other engine at each level."""
     ours = served.get("tokenfactory", {}).get("levels", [])
     result: dict[str, Any] = {}
     one = next((r for r in ours if r["clients"] == 1), None)
-    if offline and one and one.get("median_tpot_ms"):
-        # Offline before our server and, where it was taken, again after it: their mean, as the harness check's
-        # plain runs bracket the harness, so a host whose speed drifts over the minutes between does not decide.
-        each = [offline["single_stream_decode_tok_s"]]
-        if offline.get("single_stream_after_served_tok_s") is not None:
-            each.append(offline["single_stream_after_served_tok_s"])
-        reference, decode = sum(each) / len(each), 1000.0 / one["median_tpot_ms"]
-        ratio = decode / reference
-        result["served_single_stream"] = {"served_decode_tok_s": round(decode, 1),
-                                          "offline_decode_tok_s": round(reference, 1),
-                                          "offline_decode_tok_s_each": each,
+    if pairs:  # neighbours seconds apart: a host whose speed drifts over minutes does not decide
+        result["served_single_stream"] = {
+            "method": f"the median of {len(pairs['rounds'])} interleaved pairs",
+            "served_decode_tok_s": pairs["served_decode_tok_s"], "offline_decode_tok_s": pairs["offline_decode_tok_s"],
+            "ratio": pairs["ratio"], "ratio_range": pairs["ratio_range"], "tolerance": SINGLE_STREAM_TOLERANCE,
+            "met": pairs["ratio"] >= 1 - SINGLE_STREAM_TOLERANCE}
+    elif offline and one and one.get("median_tpot_ms"):
+        decode = 1000.0 / one["median_tpot_ms"]
+        ratio = decode / offline["single_stream_decode_tok_s"]
+        result["served_single_stream"] = {"method": "the one-client level against the offline run",
+                                          "served_decode_tok_s": round(decode, 1),
+                                          "offline_decode_tok_s": offline["single_stream_decode_tok_s"],
                                           "ratio": round(ratio, 3), "tolerance": SINGLE_STREAM_TOLERANCE,
                                           "met": ratio >= 1 - SINGLE_STREAM_TOLERANCE}
     if offline and offline.get("mbu") is not None:
@@ -353,6 +382,9 @@ def main(args: argparse.Namespace) -> int:
     unknown = [e for e in engines if e not in ("tokenfactory", "llama-server", "vllm")]
     if unknown:
         raise ParameterError("engines", f"--engines: unknown {', '.join(unknown)}")
+    if args.single_stream_pairs < 0:
+        raise ParameterError("single_stream_pairs",
+                             f"--single-stream-pairs must be >= 0, got {args.single_stream_pairs}")
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     model = [args.model_path] if args.model_path else []
     profile = _run_json(_tokenfactory_cli("doctor", "--machine", *model, "--quantization", args.quantization,
@@ -361,17 +393,22 @@ def main(args: argparse.Namespace) -> int:
         offline = None if args.skip_offline else measure_offline(args, Path(tmp))
     served: dict[str, dict[str, Any]] = {}
     skipped = []
+    found: dict[str, Any] = {}
+
+    def single_stream_pairs(url: str, model: str, tokenizer: Any) -> None:
+        found["pairs"] = measure_pairs(args, url, model, tokenizer)
+
     for name in engines:
-        result = measure_served(args, name, levels)
+        then = single_stream_pairs if name == "tokenfactory" and args.single_stream_pairs > 0 else None
+        result = measure_served(args, name, levels, then)
         if result is None:
             skipped.append(f"{name} is not on PATH")
             continue
         served[name] = result
-        if name == "tokenfactory" and offline is not None:
-            with tempfile.TemporaryDirectory(prefix="tokenfactory-machine-") as tmp:
-                offline["single_stream_after_served_tok_s"] = measure_offline_single(args, Path(tmp))
+    pairs = found.get("pairs")
     result = {"schema": SCHEMA, "time": started, "machine": machine_facts(), "profile": profile,
-              "offline": offline, "served": served, "skipped": skipped, "goals": goals(offline, served),
+              "offline": offline, "single_stream_pairs": pairs, "served": served, "skipped": skipped,
+              "goals": goals(offline, served, pairs),
               "engine": {"quantization": args.quantization, "dtype": args.dtype},
               "workload": {"input_len": args.input_len, "output_len": args.output_len, "levels": levels,
                            "ignore_eos": True, "streaming": True, "engine_threads": args.engine_threads}}

@@ -102,16 +102,23 @@ def roofline_bandwidth(dram_gbs: float, bytes_per_token: int, *, given: bool = F
                                      f"({working_set_gbs:.1f} GB/s)"}
 
 
-def run_engine(args: argparse.Namespace) -> tuple[dict[str, Any], list[tuple[list[int], int]]]:
+def build_engine(args: argparse.Namespace) -> Any:
+    """Our engine as `bench offline` measures it (the offline API's batching), warmed up."""
     from tokenfactory.config import EngineConfig
     from tokenfactory.engine.engine import LLMEngine
-    from tokenfactory.types import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                                     max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
                                     quantization=args.quantization, machine_profile=args.machine_profile,
                                     quantization_dense=args.quantization_dense))
     engine.warmup()
+    return engine
+
+
+def run_engine(args: argparse.Namespace) -> tuple[dict[str, Any], list[tuple[list[int], int]]]:
+    from tokenfactory.types import SamplingParams
+
+    engine = build_engine(args)
     workload = make_workload(args.num_requests, _range(args.prompt_len), _range(args.output_len),
                              engine.model_config.vocab_size, args.seed)
     # Warm-up at batch size, then the timed run (prefix caching off for the timed run's fairness:
