@@ -151,6 +151,21 @@ def test_changed_kernels_are_timed_again(tiny_q4, cache, monkeypatch) -> None:
     assert again is not None and again.source == "measured" and len(list(cache.glob("*.json"))) == 2
 
 
+def test_a_profile_timed_under_openmp_settings_is_theirs_alone(tiny_q4, cache, monkeypatch) -> None:
+    """Timed with GOMP_SPINCOUNT set, the profile is not the one a start without it reads (and the other way)."""
+    for name in tuning.OPENMP_TIMING_ENV:
+        monkeypatch.delenv(name, raising=False)
+    plain = engine(tiny_q4).runner.machine_profile
+    assert plain is not None and plain.source == "measured" and "openmp" not in plain.key
+    monkeypatch.setenv("GOMP_SPINCOUNT", "100")
+    spun = engine(tiny_q4).runner.machine_profile
+    assert spun is not None and spun.source == "measured" and spun.key["openmp"] == {"GOMP_SPINCOUNT": "100"}
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    again = engine(tiny_q4).runner.machine_profile
+    assert again is not None and again.source == "cached" and again.path == plain.path
+    assert len(list(cache.glob("*.json"))) == 2
+
+
 def test_an_unwritable_cache_still_serves(tiny_q4, tmp_path, monkeypatch, caplog) -> None:
     monkeypatch.setattr(tuning, "STEADY_TOLERANCE", float("inf"))
     blocker = tmp_path / "file"

@@ -195,14 +195,25 @@ def layer_groups(model: nn.Module) -> dict[str, list[QuantizedLinear]]:
     return groups
 
 
+# The OpenMP runtime's settings that change how fast a team runs (read once, as the runtime loads): a profile
+# timed under one of them is not this machine's under another. GOMP_SPINCOUNT=100, set for one experiment, made
+# two threads slower than one; cached under the plain key, every later start decoded on one thread, 2x slower.
+OPENMP_TIMING_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY",
+                     "OMP_DYNAMIC", "KMP_BLOCKTIME", "KMP_AFFINITY")
+
+
 def profile_key(model: nn.Module, device: torch.device) -> dict[str, Any]:
     cpu, flags = cpu_identity()
     shapes = sorted((name, len(mods)) for name, mods in layer_groups(model).items())
     linears = sorted({(m.out_features, m.in_features) for m in model.modules() if isinstance(m, nn.Linear)})
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")  # the dense path multiplies in it
-    return {"cpu": cpu, "flags": flags, "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "device": device.type, "dtype": dtype, "groups": shapes, "dense_linears": linears,
-            "kernels": cpu_kernels.source_digest()}
+    key = {"cpu": cpu, "flags": flags, "torch": torch.__version__, "threads": torch.get_num_threads(),
+           "device": device.type, "dtype": dtype, "groups": shapes, "dense_linears": linears,
+           "kernels": cpu_kernels.source_digest()}
+    openmp = {name: os.environ[name] for name in OPENMP_TIMING_ENV if name in os.environ}
+    if openmp:  # only where one is set: the profiles cached under the plain key stay theirs
+        key["openmp"] = openmp
+    return key
 
 
 def cache_root() -> Path:
