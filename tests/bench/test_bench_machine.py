@@ -82,6 +82,9 @@ def test_levels_and_goals() -> None:
     assert paired["ratio"] == 0.93 and paired["ratio_range"] == [0.9, 0.97] and not paired["met"]
     assert paired["method"] == "the median of 3 interleaved pairs" and paired["offline_decode_tok_s"] == 200.0
     assert goals(None, {}, pairs(0.95, 0.96, 0.99))["served_single_stream"]["met"]
+    failed = goals({"single_stream_decode_tok_s": 100.0}, {"tokenfactory": {"levels": [level(1, 100.0, 1000 / 99)]}},
+                   {"error": "the offline worker exited with 1"})["served_single_stream"]  # pairs that failed
+    assert failed["method"] == "the one-client level against the offline run" and failed["ratio"] == 0.99
     slow = goals({"single_stream_decode_tok_s": 112.0}, {"tokenfactory": {"levels": [level(1, 80.0, 12.5)]},
                                                          "other": {"levels": [level(1, 90.0)]}})
     assert not slow["served_single_stream"]["met"] and not slow["lead_over_other"]["met"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -40,16 +41,19 @@ def worker(argv: list[str]) -> int:
     its throughput run), say ready; then one single stream per "go" line, its figures as a JSON line."""
     from tokenfactory.bench import offline
 
+    # The pipe carries the protocol alone: whatever else writes to standard output (Python or C) goes to stderr.
+    protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     parser = argparse.ArgumentParser(prog=f"python -m {WORKER_MODULE}")
     offline.add_arguments(parser)
     args = parser.parse_args(argv)
     engine = offline.build_engine(args)
     offline.single_stream_engine(engine, args)
-    print(json.dumps({"ready": True}), flush=True)
+    print(json.dumps({"ready": True}), file=protocol, flush=True)
     for line in sys.stdin:
         if line.strip() != "go":
             break
-        print(json.dumps(offline.single_stream_engine(engine, args)), flush=True)
+        print(json.dumps(offline.single_stream_engine(engine, args)), file=protocol, flush=True)
     return 0
 
 
