@@ -157,16 +157,17 @@ def _run_json(command: list[str], out: Path | None = None) -> dict[str, Any]:
     return json.loads(out.read_text() if out is not None else done.stdout)
 
 
-def _offline_command(args: argparse.Namespace, num_requests: int, out: Path) -> list[str]:
-    """`bench offline` of our engine alone, with the run's model, engine options and --offline-args."""
+def offline_options(args: argparse.Namespace) -> list[str]:
+    """`bench offline`'s options for this run: the model, our engine's options and --offline-args (the offline run
+    and the pairs' worker alike)."""
     model = ["--model", args.model_path] if args.model_path else []
-    return _tokenfactory_cli("bench", "offline", "--skip-hf", "--num-requests", str(num_requests), *model,
-                             *engine_options(args), *shlex.split(args.offline_args), "--out", str(out))
+    return [*model, *engine_options(args), *shlex.split(args.offline_args)]
 
 
 def measure_offline(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     out = workdir / "offline.json"
-    command = _offline_command(args, args.offline_requests, out)
+    command = _tokenfactory_cli("bench", "offline", "--skip-hf", "--num-requests", str(args.offline_requests),
+                                *offline_options(args), "--out", str(out))
     result = _run_json(command, out)
     data, environment = result["tokenfactory"], result["environment"]
     return {"command": shlex.join(["tokenfactory", *command[3:-2]]), "num_requests": args.offline_requests,
@@ -192,9 +193,8 @@ def measure_pairs(args: argparse.Namespace, url: str, model: str, tokenizer: Any
     sargs = serve_args(args)
     requests = build_dataset(dataset_config(sargs, args.single_stream_pairs, sargs.seed + PAIRS_SEED_OFFSET),
                              tokenizer)
-    model_option = ["--model", args.model_path] if args.model_path else []
-    offline_argv = [*model_option, *engine_options(args), *shlex.split(args.offline_args),
-                    "--single-prompt-len", str(args.input_len), "--single-output-len", str(args.output_len)]
+    offline_argv = [*offline_options(args), "--single-prompt-len", str(args.input_len), "--single-output-len",
+                    str(args.output_len)]
     log = Path(args.results_dir).expanduser() / "logs" / "machine-pairs-worker.log"
     result = pairs.measure(offline_argv, url, model, requests, log)
     return {"command": shlex.join(["python", "-m", pairs.WORKER_MODULE, *offline_argv]), **result}
